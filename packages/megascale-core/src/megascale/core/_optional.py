@@ -1,0 +1,61 @@
+"""The one place megascale-core probes optional accelerator packages: flash-attn, NVIDIA apex, Triton.
+
+Probes are lazy (nothing is imported until a kernel asks) and cached. Each returns the module, or None and a
+reason a user can act on, so the kernel registry can say which backend runs and why. No warnings at import.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from functools import cache
+from types import ModuleType
+
+__all__ = ["apex_norms", "flash_attn", "missing_reason", "triton", "triton_interpreted"]
+
+_INSTALL_HINTS = {
+    "flash_attn": "pip install 'megascale-core[flash]' (needs a CUDA build of torch)",
+    "apex": "NVIDIA apex is not on PyPI (the PyPI 'apex' is another project): build it from "
+    "https://github.com/NVIDIA/apex with --cpp_ext --cuda_ext",
+    "triton": "pip install 'megascale-core[triton]' (CUDA builds of torch ship it)",
+}
+
+_reasons: dict[str, str] = {}
+
+
+@cache
+def _probe(module: str, attribute_check: str | None = None) -> ModuleType | None:
+    try:
+        mod = importlib.import_module(module)
+        if attribute_check is not None:
+            importlib.import_module(attribute_check)
+    except Exception as exc:  # ImportError, or a broken CUDA extension raising OSError/RuntimeError
+        top = module.split(".")[0]
+        _reasons[module] = f"{module} is not importable ({type(exc).__name__}: {exc}); {_INSTALL_HINTS[top]}"
+        return None
+    return mod
+
+
+def missing_reason(module: str) -> str:
+    """Why the last probe of ``module`` found nothing (empty if it was found)."""
+    return _reasons.get(module, "")
+
+
+def flash_attn() -> ModuleType | None:
+    """The flash_attn package (>= 2.6 for sliding windows), or None."""
+    return _probe("flash_attn")
+
+
+def apex_norms() -> ModuleType | None:
+    """apex.normalization.fused_layer_norm with its compiled CUDA extension, or None."""
+    return _probe("apex.normalization.fused_layer_norm", "fused_layer_norm_cuda")
+
+
+def triton() -> ModuleType | None:
+    """The triton package, or None."""
+    return _probe("triton")
+
+
+def triton_interpreted() -> bool:
+    """True when Triton runs kernels on the CPU through its interpreter (TRITON_INTERPRET=1): slow, for tests."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

@@ -1,0 +1,17 @@
+"""GeLU (tanh approximation, as GPT-2 and Megatron) of x + bias, fused so the sum is never stored."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from megascale.core.kernels.registry import get_kernel
+
+__all__ = ["bias_gelu"]
+
+bias_gelu = get_kernel("bias_gelu")
+
+
+@bias_gelu.register("torch")
+def _reference(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return F.gelu(x if bias is None else x + bias, approximate="tanh")

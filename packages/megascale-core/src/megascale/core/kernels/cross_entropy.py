@@ -1,0 +1,32 @@
+"""Next-token cross-entropy over a (possibly padded) vocabulary.
+
+logits (..., V) and integer targets (...). Columns at or beyond ``vocab_size`` are padding (the model pads its
+vocabulary so tensor parallelism can shard it) and take no part in the softmax, so padding never changes the
+loss. Targets equal to ``ignore_index`` are skipped; ``reduction="mean"`` averages over the others.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from megascale.core.kernels.registry import get_kernel
+
+__all__ = ["cross_entropy"]
+
+cross_entropy = get_kernel("cross_entropy")
+
+
+@cross_entropy.register("torch")
+def _reference(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    vocab_size: int | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+) -> torch.Tensor:
+    logits = logits.reshape(-1, logits.shape[-1])
+    if vocab_size is not None and vocab_size < logits.shape[-1]:
+        logits = logits[:, :vocab_size]
+    return F.cross_entropy(logits.float(), targets.reshape(-1), ignore_index=ignore_index, reduction=reduction)
