@@ -1,0 +1,183 @@
+"""GPTConfig: the architecture of a GPT, and nothing about how it is parallelised.
+
+Parallel sizes (tp, pp, dp) live in the strategy; ``check_tensor_parallel`` tells whether this architecture
+can be split ``tp`` ways, so a wrong layout fails before any process group is touched.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+__all__ = ["GPTConfig"]
+
+NormKind = Literal["rmsnorm", "layernorm"]
+ActivationKind = Literal["swiglu", "gelu"]
+
+
+@dataclass
+class GPTConfig:
+    """Architecture of a decoder-only transformer.
+
+    Args:
+        vocab_size: tokens in the vocabulary. The embedding is padded up to ``pad_vocab_to_multiple_of`` so
+            tensor parallelism can shard it; padded rows are never looked up and padded logits never enter
+            the loss or sampling.
+        d_model: width of the residual stream.
+        n_layers: transformer blocks.
+        n_heads: query heads; ``d_model`` must be divisible by it.
+        n_kv_heads: key/value heads (grouped-query attention); None = ``n_heads`` (multi-head), 1 = multi-query.
+        ffn_hidden: width of the MLP; None = 4·d_model for GeLU, or ⅔·4·d_model rounded up to
+            ``ffn_multiple_of`` for SwiGLU (same parameter count, as in LLaMA).
+        ffn_multiple_of: rounding of the default SwiGLU width.
+        max_seq_len: longest sequence (sizes the rotary tables).
+        norm: "rmsnorm" or "layernorm".
+        activation: "swiglu" or "gelu" (tanh approximation).
+        parallel_block: True = attention and MLP read one shared norm of the input and their outputs are
+            summed (GPT-J, PaLM, MegaScale); False = the sequential pre-norm block (GPT-2, LLaMA).
+        sliding_window: None = full causal attention; w = each token attends to itself and the w-1 before it.
+        full_attention_every: with a sliding window, every n-th layer (layers n-1, 2n-1, ...) attends fully,
+            Gemma-style local/global interleaving; None = every layer uses the window.
+        rope_theta: base of the rotary position embedding frequencies.
+        tie_embeddings: share the input embedding with the output projection.
+        dropout: on embeddings and on each sub-block's output before the residual add.
+        init_std: standard deviation of weight init; output projections are scaled by 1/sqrt(2·n_layers).
+        norm_eps: epsilon of the norms.
+        bias: biases in the linear layers.
+        pad_vocab_to_multiple_of: embedding rows are padded to a multiple of this (128 covers tp up to 128).
+        kernels: force kernel backends, e.g. {"attention": "sdpa", "rms_norm": "triton"}; empty = fastest
+            available (see ``megascale.core.kernels``).
+    """
+
+    vocab_size: int = 50257
+    d_model: int = 768
+    n_layers: int = 12
+    n_heads: int = 12
+    n_kv_heads: int | None = None
+    ffn_hidden: int | None = None
+    ffn_multiple_of: int = 256
+    max_seq_len: int = 1024
+    norm: NormKind = "rmsnorm"
+    activation: ActivationKind = "swiglu"
+    parallel_block: bool = True
+    sliding_window: int | None = None
+    full_attention_every: int | None = None
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = False
+    dropout: float = 0.0
+    init_std: float = 0.02
+    norm_eps: float = 1e-5
+    bias: bool = False
+    pad_vocab_to_multiple_of: int = 128
+    kernels: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        problems = []
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len", "ffn_multiple_of",
+                     "pad_vocab_to_multiple_of"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name}={getattr(self, name)} must be >= 1")
+        if problems:
+            raise ValueError("invalid GPTConfig: " + "; ".join(problems))
+        if self.d_model % self.n_heads:
+            problems.append(
+                f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}: choose n_heads among "
+                f"{_divisors(self.d_model)[:12]}"
+            )
+        elif self.head_dim % 2:
+            problems.append(f"head_dim = d_model/n_heads = {self.head_dim} must be even for rotary embeddings")
+        if self.n_kv_heads is not None and (self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads):
+            problems.append(
+                f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}: each key/value "
+                f"head must serve a whole number of query heads; choose n_kv_heads among {_divisors(self.n_heads)}"
+            )
+        if self.ffn_hidden is not None and self.ffn_hidden < 1:
+            problems.append(f"ffn_hidden={self.ffn_hidden} must be >= 1 (or None for the default)")
+        if self.norm not in ("rmsnorm", "layernorm"):
+            problems.append(f"norm={self.norm!r} must be 'rmsnorm' or 'layernorm'")
+        if self.activation not in ("swiglu", "gelu"):
+            problems.append(f"activation={self.activation!r} must be 'swiglu' or 'gelu'")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            problems.append(f"sliding_window={self.sliding_window} must be >= 1 token (None = full attention)")
+        if self.full_attention_every is not None:
+            if self.sliding_window is None:
+                problems.append("full_attention_every needs a sliding_window (otherwise every layer is full)")
+            elif self.full_attention_every < 1:
+                problems.append(f"full_attention_every={self.full_attention_every} must be >= 1")
+        if not 0.0 <= self.dropout < 1.0:
+            problems.append(f"dropout={self.dropout} must be in [0, 1)")
+        if self.init_std <= 0 or self.norm_eps <= 0 or self.rope_theta <= 0:
+            problems.append("init_std, norm_eps and rope_theta must be > 0")
+        unknown = set(self.kernels) - _KERNEL_NAMES
+        if unknown:
+            problems.append(f"kernels names unknown kernels {sorted(unknown)}; known: {sorted(_KERNEL_NAMES)}")
+        if problems:
+            raise ValueError("invalid GPTConfig: " + "; ".join(problems))
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def ffn_dim(self) -> int:
+        if self.ffn_hidden is not None:
+            return self.ffn_hidden
+        if self.activation == "gelu":
+            return 4 * self.d_model
+        hidden = int(2 * 4 * self.d_model / 3)
+        return self.ffn_multiple_of * math.ceil(hidden / self.ffn_multiple_of)
+
+    @property
+    def padded_vocab_size(self) -> int:
+        m = self.pad_vocab_to_multiple_of
+        return m * math.ceil(self.vocab_size / m)
+
+    def window_for_layer(self, layer: int) -> int | None:
+        """The attention window of block ``layer`` (None = full causal)."""
+        if self.sliding_window is None:
+            return None
+        if self.full_attention_every is not None and (layer + 1) % self.full_attention_every == 0:
+            return None
+        return self.sliding_window
+
+    def check_tensor_parallel(self, tp: int) -> None:
+        """Raise ValueError, naming the numbers and what to change, unless this model splits ``tp`` ways."""
+        if tp < 1:
+            raise ValueError(f"tensor parallel size tp={tp} must be >= 1")
+        problems = []
+        if self.n_heads % tp:
+            problems.append(f"n_heads={self.n_heads} is not divisible by tp={tp}")
+        if self.kv_heads % tp:
+            problems.append(
+                f"n_kv_heads={self.kv_heads} is not divisible by tp={tp} (each rank needs whole key/value heads)"
+            )
+        if self.ffn_dim % tp:
+            problems.append(f"the MLP width {self.ffn_dim} is not divisible by tp={tp}; set ffn_hidden")
+        if self.padded_vocab_size % tp:
+            problems.append(
+                f"the padded vocabulary {self.padded_vocab_size} is not divisible by tp={tp}; set "
+                f"pad_vocab_to_multiple_of to a multiple of {tp}"
+            )
+        if problems:
+            ok = [t for t in _divisors(math.gcd(self.n_heads, self.kv_heads, self.ffn_dim, self.padded_vocab_size))]
+            raise ValueError(
+                f"this model cannot be split tp={tp} ways: " + "; ".join(problems)
+                + f". Tensor parallel sizes that fit it: {ok}"
+            )
+
+    def to_dict(self) -> dict:
+        from dataclasses import asdict
+
+        return asdict(self)
+
+
+_KERNEL_NAMES = {"attention", "rms_norm", "layer_norm", "bias_gelu", "swiglu", "rope", "cross_entropy"}
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]

@@ -1,0 +1,55 @@
+"""Transformer blocks: the parallel block (MegaScale, PaLM, GPT-J) and the sequential pre-norm block.
+
+Parallel:   y = x + Attn(N(x)) + MLP(N(x))        one norm; Q, K, V, gate, up read it together, and
+                                                   the attention and MLP outputs are summed by one projection
+Sequential: h = x + Attn(N1(x));  y = h + MLP(N2(h))
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megascale.core.config import GPTConfig
+from megascale.core.model.attention import Attention, SelfAttention, qkv_features
+from megascale.core.model.linear import FanInLinear, FanOutLinear
+from megascale.core.model.mlp import MLP, MLPActivation, fused_bias_names, mlp_features
+from megascale.core.model.norm import make_norm
+from megascale.core.model.rope import RotaryEmbedding
+
+__all__ = ["ParallelBlock", "SequentialBlock", "make_block"]
+
+
+class ParallelBlock(nn.Module):
+    def __init__(self, config: GPTConfig, rope: RotaryEmbedding, window: int | None) -> None:
+        super().__init__()
+        qkv, mlp = qkv_features(config), mlp_features(config)
+        self.norm = make_norm(config)
+        self.in_proj = FanOutLinear(config.d_model, {**qkv, **mlp}, config.bias, fused_bias_names(config))
+        self.attn = SelfAttention(config, rope, window)
+        self.act = MLPActivation(config)
+        self.out_proj = FanInLinear({"o": qkv["q"], "down": config.ffn_dim}, config.d_model, config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v, *mlp_in = self.in_proj(self.norm(x))
+        return x + self.dropout(self.out_proj(self.attn(q, k, v), self.act(self.in_proj, *mlp_in)))
+
+
+class SequentialBlock(nn.Module):
+    def __init__(self, config: GPTConfig, rope: RotaryEmbedding, window: int | None) -> None:
+        super().__init__()
+        self.attn_norm = make_norm(config)
+        self.attn = Attention(config, rope, window)
+        self.mlp_norm = make_norm(config)
+        self.mlp = MLP(config)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.attn_norm(x)))
+        return x + self.dropout(self.mlp(self.mlp_norm(x)))
+
+
+def make_block(config: GPTConfig, rope: RotaryEmbedding, layer: int) -> ParallelBlock | SequentialBlock:
+    cls = ParallelBlock if config.parallel_block else SequentialBlock
+    return cls(config, rope, config.window_for_layer(layer))

@@ -1,0 +1,148 @@
+"""GPT: token embedding → blocks → final norm and vocabulary projection, and the next-token loss.
+
+The model knows nothing of process groups. ``layers()`` lists its pipeline-cuttable pieces in order
+(embedding, each block, head); blocks sit in a ModuleDict keyed by layer number so their parameter names
+stay the same when a pipeline stage keeps only some of them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from megascale.core import kernels
+from megascale.core.config import GPTConfig
+from megascale.core.model.block import make_block
+from megascale.core.model.linear import FanInLinear, FanOutLinear, Projection
+from megascale.core.model.norm import make_norm
+from megascale.core.model.rope import RotaryEmbedding
+
+__all__ = ["GPT", "LMHead", "NextTokenLoss", "TokenEmbedding", "flops_per_token"]
+
+
+class TokenEmbedding(nn.Module):
+    """Rows of a (padded_vocab, d_model) table, then dropout."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(config.padded_vocab_size, config.d_model))
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.dropout(nn.functional.embedding(tokens, self.weight))
+
+
+class LMHead(nn.Module):
+    """Final norm, then logits over the padded vocabulary (the padded columns are ignored by the loss)."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.norm = make_norm(config)
+        self.proj = FanOutLinear(config.d_model, {"logits": config.padded_vocab_size}, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        (logits,) = self.proj(self.norm(x))
+        return logits
+
+
+class NextTokenLoss(nn.Module):
+    """Mean cross-entropy over targets != ignore_index, over the real (unpadded) vocabulary."""
+
+    def __init__(self, config: GPTConfig, ignore_index: int = -100) -> None:
+        super().__init__()
+        self.vocab_size = config.vocab_size
+        self.ignore_index = ignore_index
+        self.backend = config.kernels.get("cross_entropy")
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return kernels.cross_entropy(
+            logits, targets, vocab_size=self.vocab_size, ignore_index=self.ignore_index, backend=self.backend
+        )
+
+
+class GPT(nn.Module):
+    """A decoder-only transformer. ``GPT(config)(tokens)`` gives logits; with ``targets`` it gives the loss.
+
+    Built on the meta device (``with torch.device("meta")``), it allocates nothing; ``to_empty`` and
+    ``init_weights`` then give exactly the weights a direct build gives under the same seed.
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.rope = RotaryEmbedding(config.head_dim, config.max_seq_len, config.rope_theta)
+        self.embed = TokenEmbedding(config)
+        self.blocks = nn.ModuleDict({str(i): make_block(config, self.rope, i) for i in range(config.n_layers)})
+        self.head = LMHead(config)
+        if config.tie_embeddings:
+            self.head.proj["logits"].weight = self.embed.weight
+        self.loss_fn = NextTokenLoss(config)
+        if self.embed.weight.device.type != "meta":
+            self.init_weights()
+
+    def layers(self) -> list[nn.Module]:
+        """The model in order, as a pipeline cuts it: embedding, each block, head (final norm + logits)."""
+        return [self.embed, *self.blocks.values(), self.head]
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        if tokens.shape[-1] > self.config.max_seq_len:
+            raise ValueError(
+                f"sequence of {tokens.shape[-1]} tokens is longer than max_seq_len={self.config.max_seq_len}"
+            )
+        x = self.embed(tokens)
+        for block in self.blocks.values():
+            x = block(x)
+        logits = self.head(x)
+        return logits if targets is None else self.loss_fn(logits, targets)
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Normal(0, init_std) weights; output projections scaled by 1/sqrt(2·n_layers) (GPT-2); biases 0."""
+        std = self.config.init_std
+        for name, module in self.named_modules():
+            if isinstance(module, (FanOutLinear, FanInLinear)):
+                scale = 1 / math.sqrt(2 * self.config.n_layers) if isinstance(module, FanInLinear) else 1.0
+                for proj in module.values():
+                    assert isinstance(proj, Projection)
+                    if proj.weight is not self.embed.weight:
+                        nn.init.normal_(proj.weight, mean=0.0, std=std * scale)
+                    if proj.bias is not None:
+                        nn.init.zeros_(proj.bias)
+                if isinstance(module, FanInLinear) and module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, TokenEmbedding):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+            elif hasattr(module, "reset_parameters") and name:
+                module.reset_parameters()
+
+    def num_parameters(self, exclude_embedding: bool = False) -> int:
+        """Parameters counted once (tied weights once); sharded parameters at their full size."""
+        seen: set[int] = set()
+        total = 0
+        for p in self.parameters():
+            if id(p) in seen or (exclude_embedding and p is self.embed.weight):
+                continue
+            seen.add(id(p))
+            total += p.numel()
+        return total
+
+
+def flops_per_token(config: GPTConfig, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward): 6·N for the matmuls plus the attention scores.
+
+    N excludes the embedding lookup (no matmul) but includes the output projection; attention adds
+    12·layers·d_model·(keys attended), counting a sliding window's keys only (PaLM appendix B).
+    """
+    d, L = config.d_model, config.n_layers
+    kv = config.kv_heads * config.head_dim
+    per_block = d * (d + 2 * kv) + d * d  # q, k, v, o
+    per_block += (3 if config.activation == "swiglu" else 2) * d * config.ffn_dim
+    matmul_params = L * per_block + d * config.padded_vocab_size
+    keys = 0.0
+    for layer in range(L):
+        w = config.window_for_layer(layer)
+        # average number of keys a query attends under a causal (windowed) mask
+        keys += (seq_len + 1) / 2 if w is None or w >= seq_len else w - (w * (w - 1)) / (2 * seq_len)
+    return 6.0 * matmul_params + 12.0 * d * keys

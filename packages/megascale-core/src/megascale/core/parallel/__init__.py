@@ -1,0 +1,41 @@
+"""Parallelisms applied to a built model, one file each, composed by the strategy in a fixed order."""
+
+from megascale.core.parallel.activation_checkpoint import ActivationCheckpointMode, apply_activation_checkpointing
+from megascale.core.parallel.cross_entropy import vocab_parallel_cross_entropy
+from megascale.core.parallel.overlap import column_parallel_matmul, row_parallel_matmul
+from megascale.core.parallel.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TensorParallelLayerNorm,
+    TensorParallelRMSNorm,
+    VocabParallelCrossEntropy,
+    VocabParallelEmbedding,
+    apply_tensor_parallel,
+    local,
+)
+from megascale.core.parallel.tp_comm import (
+    copy_to_tp_region,
+    gather_from_sp_region,
+    reduce_from_tp_region,
+    reduce_scatter_to_sp_region,
+)
+
+__all__ = [
+    "ActivationCheckpointMode",
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "TensorParallelLayerNorm",
+    "TensorParallelRMSNorm",
+    "VocabParallelCrossEntropy",
+    "VocabParallelEmbedding",
+    "apply_activation_checkpointing",
+    "apply_tensor_parallel",
+    "column_parallel_matmul",
+    "copy_to_tp_region",
+    "gather_from_sp_region",
+    "local",
+    "reduce_from_tp_region",
+    "reduce_scatter_to_sp_region",
+    "row_parallel_matmul",
+    "vocab_parallel_cross_entropy",
+]

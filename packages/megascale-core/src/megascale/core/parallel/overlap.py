@@ -1,0 +1,253 @@
+"""Tensor-parallel GEMMs with their communication overlapped, chunk by chunk (MegaScale §3.2).
+
+Column-parallel (input gathered, output split by features):
+  forward   all-gather the sequence in ``chunks`` pieces; the GEMMs of piece c run while piece c+1 arrives.
+  backward  start re-gathering the input, compute the input gradient piece by piece and reduce-scatter
+            each piece while the next is computed, then the weight gradients while those finish.
+Row-parallel (input split by features, output reduced):
+  forward   the GEMM in pieces; piece c is reduce-scattered (SP) or all-reduced while piece c+1 computes.
+  backward  all-gather the output gradient in pieces; the input-gradient GEMM of piece c runs while
+            piece c+1 arrives.
+Without sequence parallelism the column-parallel input is replicated: its backward all-reduce runs
+asynchronously under the weight-gradient GEMMs (Megatron's async grad all-reduce).
+
+``chunks=1`` is the plain, unoverlapped computation through the same code, so on/off give equal results.
+Pieces are taken from each rank's sequence shard, so piece c of every rank forms one collective and the
+result lands in place; rows are only regrouped, never reordered within a GEMM's dot products.
+Several weights may share one input (Q, K, V, gate, up) and several inputs may feed one sum (attention
+and MLP outputs of a parallel block): one collective serves all of them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed import ProcessGroup
+
+from megascale.core.parallel.tp_comm import all_gather_flat, reduce_scatter_flat
+
+__all__ = ["column_parallel_matmul", "row_parallel_matmul"]
+
+
+def _spans(length: int, chunks: int) -> list[tuple[int, int]]:
+    """(offset, size) of ``chunks`` near-equal pieces of range(length) (as torch.tensor_split)."""
+    chunks = max(1, min(chunks, length))
+    base, extra = divmod(length, chunks)
+    spans, offset = [], 0
+    for c in range(chunks):
+        size = base + (1 if c < extra else 0)
+        spans.append((offset, size))
+        offset += size
+    return spans
+
+
+def _start_gather(piece: torch.Tensor, tp: int, group: ProcessGroup) -> tuple[torch.Tensor, dist.Work]:
+    piece = piece.contiguous()
+    buf = piece.new_empty((tp * piece.shape[0], *piece.shape[1:]))
+    work = all_gather_flat(buf, piece, group=group, async_op=True)
+    assert work is not None
+    return buf, work
+
+
+def _by_rank(x: torch.Tensor, tp: int) -> torch.Tensor:
+    """(B, T, F) → (tp, B, T/tp, F) view: rank r's sequence shard at index r."""
+    B, T = x.shape[:2]
+    return x.reshape(B, tp, T // tp, x.shape[-1]).transpose(0, 1)
+
+
+class _AllGatherMatmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, chunks, n, *params):
+        weights, biases = params[:n], params[n:]
+        tp = dist.get_world_size(group)
+        B, Ts, D = x.shape
+        spans = _spans(Ts, chunks)
+        outs = [x.new_empty(B, tp, Ts, w.shape[0]) for w in weights]
+        pending = _start_gather(x[:, : spans[0][1]], tp, group)
+        for c, (off, size) in enumerate(spans):
+            buf, work = pending
+            work.wait()
+            if c + 1 < len(spans):
+                nxt_off, nxt_size = spans[c + 1]
+                pending = _start_gather(x[:, nxt_off : nxt_off + nxt_size], tp, group)
+            gathered = buf.view(tp, B, size, D)
+            for out, w, b in zip(outs, weights, biases):
+                out[:, :, off : off + size] = F.linear(gathered, w, b).transpose(0, 1)
+        ctx.save_for_backward(x, *weights)
+        ctx.group, ctx.spans, ctx.has_bias = group, spans, [b is not None for b in biases]
+        return tuple(o.view(B, tp * Ts, -1) for o in outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x, *weights = ctx.saved_tensors
+        group, spans = ctx.group, ctx.spans
+        tp = dist.get_world_size(group)
+        B, Ts, D = x.shape
+        live = [(g, w) for g, w in zip(grads, weights) if g is not None]
+        # The input is needed again for the weight gradients: gather it while the input gradient computes.
+        x_all, x_work = _start_gather(x, tp, group)
+        grad_x = x.new_empty(B, Ts, D)
+        scatters = []
+        by_rank = [(_by_rank(g, tp), w) for g, w in live]
+        for off, size in spans:
+            part = sum(g[:, :, off : off + size] @ w for g, w in by_rank)  # (tp, B, size, D)
+            part = part.contiguous() if isinstance(part, torch.Tensor) else x.new_zeros(tp, B, size, D)
+            out = x.new_empty(B, size, D)
+            work = reduce_scatter_flat(out, part.flatten(0, 1), group=group, async_op=True)
+            scatters.append((off, size, out, work))
+        x_work.wait()
+        x_rows = x_all.view(-1, D)  # rows in (rank, batch, position) order, as _by_rank(g) below
+        grad_w, grad_b = [], []
+        for g, w, has_bias in zip(grads, weights, ctx.has_bias):
+            if g is None:
+                grad_w.append(None)
+                grad_b.append(None)
+                continue
+            g_rows = _by_rank(g, tp).reshape(-1, g.shape[-1])
+            grad_w.append(g_rows.t() @ x_rows)
+            grad_b.append(g_rows.sum(0) if has_bias else None)
+        for off, size, out, work in scatters:
+            work.wait()
+            grad_x[:, off : off + size] = out
+        return grad_x, None, None, None, *grad_w, *grad_b
+
+
+class _CopyMatmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, overlap, n, *params):
+        weights, biases = params[:n], params[n:]
+        ctx.save_for_backward(x, *weights)
+        ctx.group, ctx.overlap, ctx.has_bias = group, overlap, [b is not None for b in biases]
+        return tuple(F.linear(x, w, b) for w, b in zip(weights, biases))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x, *weights = ctx.saved_tensors
+        live = [(g, w) for g, w in zip(grads, weights) if g is not None]
+        grad_x = sum(g @ w for g, w in live)
+        grad_x = grad_x if isinstance(grad_x, torch.Tensor) else torch.zeros_like(x)
+        grad_x = grad_x.contiguous()
+        work = dist.all_reduce(grad_x, group=ctx.group, async_op=ctx.overlap)
+        x_rows = x.reshape(-1, x.shape[-1])
+        grad_w, grad_b = [], []
+        for g, has_bias in zip(grads, ctx.has_bias):
+            g_rows = None if g is None else g.reshape(-1, g.shape[-1])
+            grad_w.append(None if g_rows is None else g_rows.t() @ x_rows)
+            grad_b.append(g_rows.sum(0) if g_rows is not None and has_bias else None)
+        if work is not None:
+            work.wait()
+        return grad_x, None, None, None, *grad_w, *grad_b
+
+
+class _MatmulReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, group, chunks, n, *params):
+        xs, weights = params[:n], params[n:]
+        tp = dist.get_world_size(group)
+        B, T = xs[0].shape[:2]
+        if T % tp:
+            raise ValueError(
+                f"sequence parallelism splits the sequence over tp={tp} ranks, but the sequence has {T} "
+                f"tokens: use a sequence length divisible by {tp}, or sequence_parallel=False"
+            )
+        Ts, D = T // tp, weights[0].shape[0]
+        spans = _spans(Ts, chunks)
+        by_rank = [_by_rank(x, tp) for x in xs]
+        scatters = []
+        for off, size in spans:
+            part = sum(x[:, :, off : off + size] @ w.t() for x, w in zip(by_rank, weights))
+            assert isinstance(part, torch.Tensor)
+            out = xs[0].new_empty(B, size, D)
+            work = reduce_scatter_flat(out, part.contiguous().flatten(0, 1), group=group, async_op=True)
+            scatters.append((off, size, out, work))  # the next piece's GEMM overlaps this reduce-scatter
+        y = xs[0].new_empty(B, Ts, D)
+        for off, size, out, work in scatters:
+            work.wait()
+            y[:, off : off + size] = out
+        ctx.save_for_backward(*xs, *weights)
+        ctx.group, ctx.spans, ctx.n = group, spans, n
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        saved = ctx.saved_tensors
+        xs, weights = saved[: ctx.n], saved[ctx.n :]
+        group, spans = ctx.group, ctx.spans
+        tp = dist.get_world_size(group)
+        B, Ts, D = grad_y.shape
+        g_all = grad_y.new_empty(tp, B, Ts, D)
+        grad_xs = [x.new_empty(B, tp, Ts, x.shape[-1]) for x in xs]
+        pending = _start_gather(grad_y[:, : spans[0][1]], tp, group)
+        for c, (off, size) in enumerate(spans):
+            buf, work = pending
+            work.wait()
+            if c + 1 < len(spans):
+                nxt_off, nxt_size = spans[c + 1]
+                pending = _start_gather(grad_y[:, nxt_off : nxt_off + nxt_size], tp, group)
+            g = buf.view(tp, B, size, D)
+            g_all[:, :, off : off + size] = g
+            for gx, w in zip(grad_xs, weights):
+                gx[:, :, off : off + size] = (g @ w).transpose(0, 1)
+        g_rows = g_all.view(-1, D)
+        grad_w = [g_rows.t() @ _by_rank(x, tp).reshape(-1, x.shape[-1]) for x in xs]
+        return None, None, None, *(gx.view(B, tp * Ts, -1) for gx in grad_xs), *grad_w
+
+
+class _MatmulAllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, group, chunks, n, *params):
+        xs, weights = params[:n], params[n:]
+        spans = _spans(xs[0].shape[1], chunks)
+        reduces = []
+        for off, size in spans:
+            part = sum(x[:, off : off + size] @ w.t() for x, w in zip(xs, weights))
+            assert isinstance(part, torch.Tensor)
+            part = part.contiguous()
+            reduces.append((part, dist.all_reduce(part, group=group, async_op=True)))
+        for _, work in reduces:
+            work.wait()
+        ctx.save_for_backward(*xs, *weights)
+        ctx.n = n
+        return torch.cat([part for part, _ in reduces], dim=1)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        saved = ctx.saved_tensors
+        xs, weights = saved[: ctx.n], saved[ctx.n :]
+        g_rows = grad_y.reshape(-1, grad_y.shape[-1])
+        grad_xs = [grad_y @ w for w in weights]
+        grad_w = [g_rows.t() @ x.reshape(-1, x.shape[-1]) for x in xs]
+        return None, None, None, *grad_xs, *grad_w
+
+
+def column_parallel_matmul(
+    x: torch.Tensor,
+    weights: list[torch.Tensor],
+    biases: list[torch.Tensor | None],
+    group: ProcessGroup,
+    *,
+    sequence_parallel: bool,
+    chunks: int,
+) -> tuple[torch.Tensor, ...]:
+    """x W_i^T + b_i for each local weight shard; x is this rank's sequence shard under SP, else replicated.
+
+    ``chunks`` > 1 overlaps the communication with the GEMMs; 1 runs them one after the other.
+    """
+    if sequence_parallel:
+        return _AllGatherMatmul.apply(x, group, chunks, len(weights), *weights, *biases)
+    return _CopyMatmul.apply(x, group, chunks > 1, len(weights), *weights, *biases)
+
+
+def row_parallel_matmul(
+    xs: list[torch.Tensor],
+    weights: list[torch.Tensor],
+    group: ProcessGroup,
+    *,
+    sequence_parallel: bool,
+    chunks: int,
+) -> torch.Tensor:
+    """Σ_i x_i W_i^T summed over the group: reduce-scattered to sequence shards under SP, else all-reduced."""
+    if sequence_parallel:
+        return _MatmulReduceScatter.apply(group, chunks, len(xs), *xs, *weights)
+    return _MatmulAllReduce.apply(group, chunks, len(xs), *xs, *weights)

@@ -1,0 +1,124 @@
+"""Autograd-aware collectives at the edges of tensor-parallel regions (Megatron's f and g operators).
+
+Activations are (B, T, ...); the sequence-parallel (SP) shard of rank r holds positions [r·T/tp, (r+1)·T/tp).
+
+    copy_to_tp_region          forward: identity          backward: all-reduce     (input replicated on tp)
+    reduce_from_tp_region      forward: all-reduce        backward: identity
+    gather_from_sp_region      forward: all-gather on T   backward: reduce-scatter on T
+    reduce_scatter_to_sp_region forward: reduce-scatter T backward: all-gather on T
+
+``copy_to_tp_region`` also serves replicated weights used on sequence shards (norms, row-parallel biases under
+SP): each rank's gradient covers only its tokens, and the backward all-reduce makes it the full gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+__all__ = [
+    "all_gather_flat",
+    "all_gather_seq",
+    "copy_to_tp_region",
+    "gather_from_sp_region",
+    "reduce_from_tp_region",
+    "reduce_scatter_flat",
+    "reduce_scatter_seq",
+    "reduce_scatter_to_sp_region",
+]
+
+
+# torch 2.13 renamed the flat-tensor collectives (the old names warn); releases before it have only the old.
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+"""all_gather_flat(out, x, group, async_op): out (world·x.shape[0], ...) holds every rank's x in rank order."""
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+"""reduce_scatter_flat(out, x, op, group, async_op): x (world·out.shape[0], ...); rank r gets the sum of
+every rank's r-th block."""
+
+
+def all_gather_seq(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """(B, T/tp, ...) shards → (B, T, ...), rank order along the sequence."""
+    tp = dist.get_world_size(group)
+    x = x.contiguous()
+    out = x.new_empty((tp * x.shape[0], *x.shape[1:]))
+    all_gather_flat(out, x, group=group)
+    return out.view(tp, *x.shape).movedim(0, 1).flatten(1, 2)  # (B, tp, T/tp, ...) → (B, T, ...)
+
+
+def reduce_scatter_seq(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """(B, T, ...) partial sums → this rank's (B, T/tp, ...) shard of their total."""
+    tp = dist.get_world_size(group)
+    B, T = x.shape[:2]
+    if T % tp:
+        raise ValueError(
+            f"sequence parallelism splits the sequence over tp={tp} ranks, but the sequence has {T} tokens: "
+            f"use a sequence length divisible by {tp}, or sequence_parallel=False"
+        )
+    chunks = x.reshape(B, tp, T // tp, *x.shape[2:]).movedim(1, 0).contiguous()  # (tp, B, T/tp, ...)
+    out = x.new_empty(chunks.shape[1:])
+    reduce_scatter_flat(out, chunks.flatten(0, 1), group=group)
+    return out
+
+
+class _CopyToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        x = x.contiguous().clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+class _GatherFromSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return all_gather_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return reduce_scatter_seq(grad, ctx.group), None
+
+
+class _ReduceScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return reduce_scatter_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return all_gather_seq(grad, ctx.group), None
+
+
+def copy_to_tp_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    return _CopyToRegion.apply(x, group)
+
+
+def reduce_from_tp_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    return _ReduceFromRegion.apply(x, group)
+
+
+def gather_from_sp_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    return _GatherFromSP.apply(x, group)
+
+
+def reduce_scatter_to_sp_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    return _ReduceScatterToSP.apply(x, group)
