@@ -3,6 +3,10 @@
 logits (..., V) and integer targets (...). Columns at or beyond ``vocab_size`` are padding (the model pads its
 vocabulary so tensor parallelism can shard it) and take no part in the softmax, so padding never changes the
 loss. Targets equal to ``ignore_index`` are skipped; ``reduction="mean"`` averages over the others.
+
+Backends, fastest first: ``triton`` (kernels/triton/cross_entropy.py: online log-sum-exp over vocabulary
+blocks, no fp32 copy of the logits, gradient written in the logits' dtype), ``torch`` (the reference, which
+materialises the logits in fp32).
 """
 
 from __future__ import annotations
@@ -10,11 +14,26 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from megascale.core.kernels import triton as _triton
 from megascale.core.kernels.registry import get_kernel
 
 __all__ = ["cross_entropy"]
 
 cross_entropy = get_kernel("cross_entropy")
+
+
+@cross_entropy.register("triton", _triton.unavailable, unavailable_if_forced=_triton.unavailable_if_forced)
+def _triton_backend(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    vocab_size: int | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+) -> torch.Tensor:
+    from megascale.core.kernels.triton.cross_entropy import cross_entropy as fused
+
+    return fused(logits, targets, vocab_size=vocab_size, ignore_index=ignore_index, reduction=reduction)
 
 
 @cross_entropy.register("torch")
@@ -29,4 +48,6 @@ def _reference(
     logits = logits.reshape(-1, logits.shape[-1])
     if vocab_size is not None and vocab_size < logits.shape[-1]:
         logits = logits[:, :vocab_size]
-    return F.cross_entropy(logits.float(), targets.reshape(-1), ignore_index=ignore_index, reduction=reduction)
+    return F.cross_entropy(
+        logits.float(), targets.reshape(-1), ignore_index=ignore_index, reduction=reduction
+    )

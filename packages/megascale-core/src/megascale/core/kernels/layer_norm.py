@@ -1,15 +1,49 @@
-"""LayerNorm over the last dimension, statistics in fp32, output in x's dtype."""
+"""LayerNorm over the last dimension, statistics in fp32, output in x's dtype.
+
+Backends, fastest first: ``apex`` (NVIDIA apex's fused CUDA kernel), ``triton``
+(kernels/triton/layer_norm.py), ``torch`` (the reference).
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from megascale.core import _optional
+from megascale.core.kernels import triton as _triton
 from megascale.core.kernels.registry import get_kernel
 
 __all__ = ["layer_norm"]
 
 layer_norm = get_kernel("layer_norm")
+
+
+def _apex_unavailable(device: torch.device) -> str | None:
+    if device.type != "cuda":
+        return "apex fused norms run on CUDA only"
+    if _optional.apex_norms() is None:
+        return _optional.missing_reason("apex.normalization.fused_layer_norm")
+    return None
+
+
+@layer_norm.register("apex", _apex_unavailable)
+def _apex(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    fused = _optional.apex_norms()
+    assert fused is not None
+    # apex's non-mixed kernel reads weight and bias in x's dtype and returns x's dtype (casts are no-ops when
+    # the dtypes agree), and its affine entry point needs a bias tensor: a zero one stands in for None.
+    w = weight.to(x.dtype)
+    b = torch.zeros_like(w) if bias is None else bias.to(x.dtype)
+    return fused.fused_layer_norm_affine(x, w, b, (x.shape[-1],), eps)
+
+
+@layer_norm.register("triton", _triton.unavailable, unavailable_if_forced=_triton.unavailable_if_forced)
+def _triton_backend(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float
+) -> torch.Tensor:
+    from megascale.core.kernels.triton.layer_norm import layer_norm as fused
+
+    return fused(x, weight, bias, eps)
 
 
 @layer_norm.register("torch")

@@ -2,10 +2,17 @@
 
 A backend is a function with the kernel's signature plus a check that says why it cannot run here (or None).
 The choice is made once per (kernel, device type, forced name), logged with the reasons the faster backends
-were skipped, and can be forced three ways, strongest first: a ``backend=`` argument (what ``GPTConfig.kernels``
-passes), the environment variable ``MEGASCALE_KERNELS`` ("rms_norm=triton,attention=sdpa", or a bare name such
-as "torch" applied to every kernel that has it), or nothing (fastest available). The ``torch`` backend of every
-kernel is the reference the others are tested against, and it always runs.
+were skipped, and can be forced three ways, strongest first: a ``backend=`` argument (what
+``GPTConfig.kernels`` passes), the environment variable ``MEGASCALE_KERNELS``
+("rms_norm=triton,attention=sdpa", or a bare name such as "torch" applied to every kernel that has it), or
+nothing (fastest available). The ``torch`` backend of every kernel is the reference the others are tested
+against, and it always runs.
+
+Two checks per backend, because "can run" and "should be picked" differ on some devices:
+``unavailable(device)`` says why automatic selection skips the backend; ``unavailable_if_forced(device)``
+(default: the same check) says why even a forced request must fail. A backend that works on a device but is
+no choice there, such as a Triton kernel on the CPU (correct only through the slow interpreter, meant for
+tests), gives a looser second check: automatic selection passes it by, ``backend="triton"`` still gets it.
 """
 
 from __future__ import annotations
@@ -18,7 +25,16 @@ from typing import Any
 
 import torch
 
-__all__ = ["Backend", "Kernel", "KernelUnavailableError", "describe", "get_kernel", "kernels", "reset"]
+__all__ = [
+    "Backend",
+    "Check",
+    "Kernel",
+    "KernelUnavailableError",
+    "describe",
+    "get_kernel",
+    "kernels",
+    "reset",
+]
 
 log = logging.getLogger("megascale.core.kernels")
 
@@ -30,6 +46,10 @@ class KernelUnavailableError(RuntimeError):
     """A backend was forced that cannot run on this machine or for these inputs."""
 
 
+Check = Callable[[torch.device], str | None]
+"""Why a backend cannot be used on a device, or None when it can."""
+
+
 def _always(_device: torch.device) -> str | None:
     return None
 
@@ -38,8 +58,14 @@ def _always(_device: torch.device) -> str | None:
 class Backend:
     name: str
     fn: Callable[..., Any]
-    unavailable: Callable[[torch.device], str | None] = _always
-    """Returns why this backend cannot run on ``device`` (None when it can)."""
+    unavailable: Check = _always
+    """Why automatic selection skips this backend on ``device`` (None when it may pick it)."""
+    unavailable_if_forced: Check | None = None
+    """Why this backend cannot run on ``device`` even when forced; None: the same check as ``unavailable``."""
+
+    def forced_reason(self, device: torch.device) -> str | None:
+        check = self.unavailable if self.unavailable_if_forced is None else self.unavailable_if_forced
+        return check(device)
 
 
 @dataclass
@@ -51,14 +77,15 @@ class Kernel:
     _chosen: dict[tuple[str, str | None], Backend] = field(default_factory=dict, repr=False)
 
     def register(
-        self, name: str, unavailable: Callable[[torch.device], str | None] = _always
+        self, name: str, unavailable: Check = _always, *, unavailable_if_forced: Check | None = None
     ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-        """Decorator adding a backend; backends registered first are preferred."""
+        """Decorator adding a backend; backends registered first are preferred. See the module docstring for
+        the two checks."""
 
         def add(fn: Callable[..., Any]) -> Callable[..., Any]:
             if any(b.name == name for b in self.backends):
                 raise ValueError(f"kernel {self.name!r} already has a backend {name!r}")
-            self.backends.append(Backend(name, fn, unavailable))
+            self.backends.append(Backend(name, fn, unavailable, unavailable_if_forced))
             return fn
 
         return add
@@ -82,7 +109,7 @@ class Kernel:
                     f"choose one of {self.backend_names()}"
                 )
             chosen = by_name[forced]
-            reason = chosen.unavailable(device)
+            reason = chosen.forced_reason(device)
             if reason is not None:
                 raise KernelUnavailableError(
                     f"kernel {self.name!r}: backend {forced!r} (asked by {source}) cannot run on "

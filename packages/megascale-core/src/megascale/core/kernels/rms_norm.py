@@ -1,14 +1,44 @@
-"""RMSNorm: y = x / sqrt(mean(x^2) + eps) * weight, statistics in fp32, output in x's dtype."""
+"""RMSNorm: y = x / sqrt(mean(x^2) + eps) * weight, statistics in fp32, output in x's dtype.
+
+Backends, fastest first: ``apex`` (NVIDIA apex's fused CUDA kernel), ``triton`` (kernels/triton/rms_norm.py),
+``torch`` (the reference).
+"""
 
 from __future__ import annotations
 
 import torch
 
+from megascale.core import _optional
+from megascale.core.kernels import triton as _triton
 from megascale.core.kernels.registry import get_kernel
 
 __all__ = ["rms_norm"]
 
 rms_norm = get_kernel("rms_norm")
+
+
+def _apex_unavailable(device: torch.device) -> str | None:
+    if device.type != "cuda":
+        return "apex fused norms run on CUDA only"
+    if _optional.apex_norms() is None:
+        return _optional.missing_reason("apex.normalization.fused_layer_norm")
+    return None
+
+
+@rms_norm.register("apex", _apex_unavailable)
+def _apex(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    fused = _optional.apex_norms()
+    assert fused is not None
+    # apex's non-mixed kernel reads weight in x's dtype and returns x's dtype; the cast is a no-op when the
+    # dtypes already agree and otherwise rounds the weight once (autograd casts its gradient back).
+    return fused.fused_rms_norm_affine(x, weight.to(x.dtype), (x.shape[-1],), eps)
+
+
+@rms_norm.register("triton", _triton.unavailable, unavailable_if_forced=_triton.unavailable_if_forced)
+def _triton_backend(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    from megascale.core.kernels.triton.rms_norm import rms_norm as fused
+
+    return fused(x, weight, eps)
 
 
 @rms_norm.register("torch")

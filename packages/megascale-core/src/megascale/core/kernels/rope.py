@@ -2,12 +2,15 @@
 
 x: (B, T, H, hd); cos, sin: (T, hd/2) in fp32. Pairs are (x[..., i], x[..., i + hd/2]), each rotated by the
 angle of position t and frequency i. Computed in fp32, returned in x's dtype.
+
+Backends, fastest first: ``triton`` (kernels/triton/rope.py), ``torch`` (the reference).
 """
 
 from __future__ import annotations
 
 import torch
 
+from megascale.core.kernels import triton as _triton
 from megascale.core.kernels.registry import get_kernel
 
 __all__ = ["apply_rope", "rope_tables"]
@@ -22,6 +25,13 @@ def rope_tables(
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim))
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float64), inv_freq)
     return angles.cos().float(), angles.sin().float()
+
+
+@apply_rope.register("triton", _triton.unavailable, unavailable_if_forced=_triton.unavailable_if_forced)
+def _triton_backend(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    from megascale.core.kernels.triton.rope import apply_rope as fused
+
+    return fused(x, cos, sin)
 
 
 @apply_rope.register("torch")
