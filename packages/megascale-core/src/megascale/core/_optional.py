@@ -11,7 +11,7 @@ import os
 from functools import cache
 from types import ModuleType
 
-__all__ = ["apex_norms", "flash_attn", "missing_reason", "triton", "triton_interpreted"]
+__all__ = ["apex_norms", "apex_optimizers", "flash_attn", "missing_reason", "triton", "triton_interpreted"]
 
 _INSTALL_HINTS = {
     "flash_attn": "pip install 'megascale-core[flash]' (needs a CUDA build of torch)",
@@ -49,6 +49,11 @@ def flash_attn() -> ModuleType | None:
 def apex_norms() -> ModuleType | None:
     """apex.normalization.fused_layer_norm with its compiled CUDA extension, or None."""
     return _probe("apex.normalization.fused_layer_norm", "fused_layer_norm_cuda")
+
+
+def apex_optimizers() -> ModuleType | None:
+    """apex.optimizers (FusedLAMB) with amp_C, the compiled multi-tensor extension it needs, or None."""
+    return _probe("apex.optimizers", "amp_C")
 
 
 def triton() -> ModuleType | None:
