@@ -95,4 +95,6 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
         bad = [(rank, p.exitcode) for rank, p in enumerate(procs) if p.exitcode != 0]
         if bad:
             raise RuntimeError(f"ranks exited abnormally without a traceback: {bad}")
-        return [pickle.loads((Path(workdir) / f"rank{rank}.result").read_bytes()) for rank in range(world_size)]
+        return [
+            pickle.loads((Path(workdir) / f"rank{rank}.result").read_bytes()) for rank in range(world_size)
+        ]

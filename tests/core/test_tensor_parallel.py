@@ -15,10 +15,9 @@ import itertools
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
-
-import torch.nn.functional as F
 
 from megascale.core import GPT, GPTConfig, apply_tensor_parallel
 from megascale.core.parallel import vocab_parallel_cross_entropy
@@ -58,8 +57,17 @@ def _compare(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
             excess = ((full - expected).abs() - GRAD_RTOL * expected.abs()).max().item()
             if excess > worst or not worst_name:
                 worst, worst_name = excess, name
-        report.append(dict(case=case["name"], loss=loss.item(), ref_loss=ref_loss.item(), worst=worst,
-                           worst_name=worst_name, sharded=sharded, n=len(ref_grads)))
+        report.append(
+            dict(
+                case=case["name"],
+                loss=loss.item(),
+                ref_loss=ref_loss.item(),
+                worst=worst,
+                worst_name=worst_name,
+                sharded=sharded,
+                n=len(ref_grads),
+            )
+        )
     return report
 
 
@@ -68,9 +76,18 @@ def _cases(tp: int, parallel_block: bool) -> list[dict]:
     config = dict(BASE, **heads, parallel_block=parallel_block, sliding_window=6, full_attention_every=2)
     cases = []
     for sp, overlap in itertools.product((False, True), (False, True)):
-        cases.append(dict(name=f"gqa+window sp={sp} overlap={overlap}", config=config, sp=sp, overlap=overlap))
-    variant = dict(BASE, n_heads=4 * tp // 2, parallel_block=parallel_block, activation="gelu", bias=True,
-                   norm="layernorm", tie_embeddings=True)
+        cases.append(
+            dict(name=f"gqa+window sp={sp} overlap={overlap}", config=config, sp=sp, overlap=overlap)
+        )
+    variant = dict(
+        BASE,
+        n_heads=4 * tp // 2,
+        parallel_block=parallel_block,
+        activation="gelu",
+        bias=True,
+        norm="layernorm",
+        tie_embeddings=True,
+    )
     cases.append(dict(name="mha+gelu+bias+layernorm+tied sp overlap", config=variant, sp=True, overlap=True))
     cases.append(dict(name="mha+gelu+bias+layernorm+tied no-sp", config=variant, sp=False, overlap=True))
     return cases
@@ -84,7 +101,9 @@ def test_tensor_parallel_matches_unsharded(tp: int, parallel_block: bool):
     for rank_report in reports:
         for r in rank_report:
             assert r["loss"] == pytest.approx(r["ref_loss"], abs=LOSS_ATOL), r
-            assert r["worst"] <= GRAD_ATOL, f"{r['case']}: gradient of {r['worst_name']} off by {r['worst']:.2e}"
+            assert r["worst"] <= GRAD_ATOL, (
+                f"{r['case']}: gradient of {r['worst_name']} off by {r['worst']:.2e}"
+            )
             assert r["sharded"] > r["n"] // 2, f"{r['case']}: too few parameters are sharded"
     # every rank of the group computes the same loss
     for a, b in zip(reports[0], reports[-1]):
@@ -102,8 +121,9 @@ def _overlap_equal(rank: int, world_size: int) -> dict:
         tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
         grads = []
         for overlap in (False, True):
-            model = apply_tensor_parallel(copy.deepcopy(base), mesh, sequence_parallel=sp, overlap=overlap,
-                                          overlap_chunks=4)
+            model = apply_tensor_parallel(
+                copy.deepcopy(base), mesh, sequence_parallel=sp, overlap=overlap, overlap_chunks=4
+            )
             model(tokens, tokens).backward()
             grads.append({n: p.grad.to_local() for n, p in model.named_parameters()})
         out[sp] = max((grads[0][n] - grads[1][n]).abs().max().item() for n in grads[0])
@@ -160,8 +180,12 @@ def _vocab_parallel_ce(rank: int, world_size: int, vocab_size: int, padded: int,
     loss = vocab_parallel_cross_entropy(mine, targets, group, vocab_start=rank * cols, vocab_size=vocab_size)
     loss.backward()
     expected_grad = full.grad[..., rank * cols : (rank + 1) * cols]
-    return dict(loss=loss.item(), ref=ref.item(), grad_err=(mine.grad.float() - expected_grad.float()).abs().max().item(),
-                grad_dtype=mine.grad.dtype)
+    return dict(
+        loss=loss.item(),
+        ref=ref.item(),
+        grad_err=(mine.grad.float() - expected_grad.float()).abs().max().item(),
+        grad_dtype=mine.grad.dtype,
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1,8 +1,8 @@
 """megascale-core: parallel transformer blocks, tensor/sequence-parallel layers, fused kernels and LAMB.
 
-    from megascale.core import GPT, GPTConfig
-    model = GPT(GPTConfig(vocab_size=256, d_model=256, n_layers=4, n_heads=4))
-    loss = model(tokens, targets)
+from megascale.core import GPT, GPTConfig
+model = GPT(GPTConfig(vocab_size=256, d_model=256, n_layers=4, n_heads=4))
+loss = model(tokens, targets)
 """
 
 from importlib.metadata import PackageNotFoundError, version

@@ -7,7 +7,7 @@ can be split ``tp`` ways, so a wrong layout fails before any process group is to
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 __all__ = ["GPTConfig"]
@@ -74,8 +74,15 @@ class GPTConfig:
 
     def __post_init__(self) -> None:
         problems = []
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len", "ffn_multiple_of",
-                     "pad_vocab_to_multiple_of"):
+        for name in (
+            "vocab_size",
+            "d_model",
+            "n_layers",
+            "n_heads",
+            "max_seq_len",
+            "ffn_multiple_of",
+            "pad_vocab_to_multiple_of",
+        ):
             if getattr(self, name) < 1:
                 problems.append(f"{name}={getattr(self, name)} must be >= 1")
         if problems:
@@ -86,7 +93,9 @@ class GPTConfig:
                 f"{_divisors(self.d_model)[:12]}"
             )
         elif self.head_dim % 2:
-            problems.append(f"head_dim = d_model/n_heads = {self.head_dim} must be even for rotary embeddings")
+            problems.append(
+                f"head_dim = d_model/n_heads = {self.head_dim} must be even for rotary embeddings"
+            )
         if self.n_kv_heads is not None and (self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads):
             problems.append(
                 f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}: each key/value "
@@ -99,7 +108,9 @@ class GPTConfig:
         if self.activation not in ("swiglu", "gelu"):
             problems.append(f"activation={self.activation!r} must be 'swiglu' or 'gelu'")
         if self.sliding_window is not None and self.sliding_window < 1:
-            problems.append(f"sliding_window={self.sliding_window} must be >= 1 token (None = full attention)")
+            problems.append(
+                f"sliding_window={self.sliding_window} must be >= 1 token (None = full attention)"
+            )
         if self.full_attention_every is not None:
             if self.sliding_window is None:
                 problems.append("full_attention_every needs a sliding_window (otherwise every layer is full)")
@@ -111,7 +122,9 @@ class GPTConfig:
             problems.append("init_std, norm_eps and rope_theta must be > 0")
         unknown = set(self.kernels) - _KERNEL_NAMES
         if unknown:
-            problems.append(f"kernels names unknown kernels {sorted(unknown)}; known: {sorted(_KERNEL_NAMES)}")
+            problems.append(
+                f"kernels names unknown kernels {sorted(unknown)}; known: {sorted(_KERNEL_NAMES)}"
+            )
         if problems:
             raise ValueError("invalid GPTConfig: " + "; ".join(problems))
 
@@ -164,15 +177,14 @@ class GPTConfig:
                 f"pad_vocab_to_multiple_of to a multiple of {tp}"
             )
         if problems:
-            ok = [t for t in _divisors(math.gcd(self.n_heads, self.kv_heads, self.ffn_dim, self.padded_vocab_size))]
+            ok = _divisors(math.gcd(self.n_heads, self.kv_heads, self.ffn_dim, self.padded_vocab_size))
             raise ValueError(
-                f"this model cannot be split tp={tp} ways: " + "; ".join(problems)
+                f"this model cannot be split tp={tp} ways: "
+                + "; ".join(problems)
                 + f". Tensor parallel sizes that fit it: {ok}"
             )
 
     def to_dict(self) -> dict:
-        from dataclasses import asdict
-
         return asdict(self)
 
 

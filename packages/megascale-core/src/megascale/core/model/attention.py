@@ -18,8 +18,11 @@ __all__ = ["Attention", "SelfAttention", "qkv_features"]
 
 
 def qkv_features(config: GPTConfig) -> dict[str, int]:
-    return {"q": config.n_heads * config.head_dim, "k": config.kv_heads * config.head_dim,
-            "v": config.kv_heads * config.head_dim}
+    return {
+        "q": config.n_heads * config.head_dim,
+        "k": config.kv_heads * config.head_dim,
+        "v": config.kv_heads * config.head_dim,
+    }
 
 
 class SelfAttention(nn.Module):
@@ -42,7 +45,11 @@ class SelfAttention(nn.Module):
         q = kernels.apply_rope(q, self.rope.cos, self.rope.sin, backend=self.rope_backend)
         k = kernels.apply_rope(k, self.rope.cos, self.rope.sin, backend=self.rope_backend)
         y = kernels.attention(
-            q, k, v, window=self.window, dropout_p=self.dropout if self.training else 0.0,
+            q,
+            k,
+            v,
+            window=self.window,
+            dropout_p=self.dropout if self.training else 0.0,
             backend=self.attention_backend,
         )
         return y.reshape(B, T, -1)  # (B, T, H·hd)

@@ -74,13 +74,25 @@ class GPT(nn.Module):
         self.config = config
         self.rope = RotaryEmbedding(config.head_dim, config.max_seq_len, config.rope_theta)
         self.embed = TokenEmbedding(config)
-        self.blocks = nn.ModuleDict({str(i): make_block(config, self.rope, i) for i in range(config.n_layers)})
+        self.blocks = nn.ModuleDict(
+            {str(i): make_block(config, self.rope, i) for i in range(config.n_layers)}
+        )
         self.head = LMHead(config)
-        if config.tie_embeddings:
-            self.head.proj["logits"].weight = self.embed.weight
         self.loss_fn = NextTokenLoss(config)
+        self._tie_weights()
         if self.embed.weight.device.type != "meta":
             self.init_weights()
+
+    def _tie_weights(self) -> None:
+        if self.config.tie_embeddings:
+            self.head.proj["logits"].weight = self.embed.weight
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        # Module._apply (behind to(), to_empty(), half(), ...) re-wraps each module's parameters separately,
+        # which would silently untie the shared embedding: tie it again.
+        out = super()._apply(fn, recurse)
+        self._tie_weights()
+        return out
 
     def layers(self) -> list[nn.Module]:
         """The model in order, as a pipeline cuts it: embedding, each block, head (final norm + logits)."""

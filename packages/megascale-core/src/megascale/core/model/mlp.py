@@ -48,7 +48,9 @@ def fused_bias_names(config: GPTConfig) -> tuple[str, ...]:
 class MLP(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.in_proj = FanOutLinear(config.d_model, mlp_features(config), config.bias, fused_bias_names(config))
+        self.in_proj = FanOutLinear(
+            config.d_model, mlp_features(config), config.bias, fused_bias_names(config)
+        )
         self.act = MLPActivation(config)
         self.out_proj = FanInLinear({"down": config.ffn_dim}, config.d_model, bias=config.bias)
 

@@ -45,4 +45,6 @@ class LayerNorm(nn.Module):
 def make_norm(config: GPTConfig) -> RMSNorm | LayerNorm:
     if config.norm == "rmsnorm":
         return RMSNorm(config.d_model, config.norm_eps, backend=config.kernels.get("rms_norm"))
-    return LayerNorm(config.d_model, config.norm_eps, bias=config.bias, backend=config.kernels.get("layer_norm"))
+    return LayerNorm(
+        config.d_model, config.norm_eps, bias=config.bias, backend=config.kernels.get("layer_norm")
+    )

@@ -1,6 +1,9 @@
 """Parallelisms applied to a built model, one file each, composed by the strategy in a fixed order."""
 
-from megascale.core.parallel.activation_checkpoint import ActivationCheckpointMode, apply_activation_checkpointing
+from megascale.core.parallel.activation_checkpoint import (
+    ActivationCheckpointMode,
+    apply_activation_checkpointing,
+)
 from megascale.core.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megascale.core.parallel.overlap import column_parallel_matmul, row_parallel_matmul
 from megascale.core.parallel.tensor_parallel import (

@@ -99,7 +99,7 @@ class _AllGatherMatmul(torch.autograd.Function):
         x_work.wait()
         x_rows = x_all.view(-1, D)  # rows in (rank, batch, position) order, as _by_rank(g) below
         grad_w, grad_b = [], []
-        for g, w, has_bias in zip(grads, weights, ctx.has_bias):
+        for g, has_bias in zip(grads, ctx.has_bias):
             if g is None:
                 grad_w.append(None)
                 grad_b.append(None)

@@ -38,7 +38,11 @@ from megascale.core.model.linear import FanInLinear, FanOutLinear
 from megascale.core.model.norm import LayerNorm, RMSNorm
 from megascale.core.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megascale.core.parallel.overlap import column_parallel_matmul, row_parallel_matmul
-from megascale.core.parallel.tp_comm import copy_to_tp_region, reduce_from_tp_region, reduce_scatter_to_sp_region
+from megascale.core.parallel.tp_comm import (
+    copy_to_tp_region,
+    reduce_from_tp_region,
+    reduce_scatter_to_sp_region,
+)
 
 __all__ = [
     "ColumnParallelLinear",
@@ -70,24 +74,40 @@ class _Distributor:
         if param is None:
             return
         if isinstance(param, DTensor):
-            raise ValueError(f"{type(module).__name__}.{name} is already distributed: apply tensor parallelism once")
+            raise ValueError(
+                f"{type(module).__name__}.{name} is already distributed: apply tensor parallelism once"
+            )
         if id(param) not in self.done:
             dt = distribute_tensor(param.detach(), self.mesh, list(placements))
             self.done[id(param)] = nn.Parameter(dt, requires_grad=param.requires_grad)
         setattr(module, name, self.done[id(param)])
 
 
-class ColumnParallelLinear(FanOutLinear):
+class _OnTPMesh:
+    """TP modules keep the mesh (picklable, so models deep-copy) and derive the process group from it."""
+
+    mesh: DeviceMesh
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        return self.mesh.get_group()
+
+
+class ColumnParallelLinear(_OnTPMesh, FanOutLinear):
     """A FanOutLinear with each weight split by output features over the TP group (Megatron column-parallel).
 
     Under SP the input is this rank's sequence shard and is all-gathered (once for all weights), chunked to
     overlap the GEMMs; outputs are (B, T, out/tp).
     """
 
-    def __init__(self, dense: FanOutLinear, distribute: _Distributor, *, sequence_parallel: bool, chunks: int):
-        nn.ModuleDict.__init__(self, dict(dense.items()))  # keep the Projection children: same state-dict keys
+    def __init__(
+        self, dense: FanOutLinear, distribute: _Distributor, *, sequence_parallel: bool, chunks: int
+    ):
+        nn.ModuleDict.__init__(
+            self, dict(dense.items())
+        )  # keep the Projection children: same state-dict keys
         self.fused_bias = dense.fused_bias
-        self.group = distribute.mesh.get_group()
+        self.mesh = distribute.mesh
         self.sequence_parallel, self.chunks = sequence_parallel, chunks
         for proj in self.values():
             distribute(proj, "weight", [Shard(0)])
@@ -107,14 +127,14 @@ class ColumnParallelLinear(FanOutLinear):
         return f"sequence_parallel={self.sequence_parallel}, chunks={self.chunks}"
 
 
-class RowParallelLinear(FanInLinear):
+class RowParallelLinear(_OnTPMesh, FanInLinear):
     """A FanInLinear with each weight split by input features; partial sums reduced over the TP group
     (reduce-scattered to sequence shards under SP), chunked to overlap the GEMMs. Bias added once, after."""
 
     def __init__(self, dense: FanInLinear, distribute: _Distributor, *, sequence_parallel: bool, chunks: int):
         nn.ModuleDict.__init__(self, dict(dense.items()))
         self.bias = dense.bias
-        self.group = distribute.mesh.get_group()
+        self.mesh = distribute.mesh
         self.sequence_parallel, self.chunks = sequence_parallel, chunks
         for proj in self.values():
             distribute(proj, "weight", [Shard(1)])
@@ -140,13 +160,13 @@ def _replicated_weight(w: torch.Tensor | None, group: dist.ProcessGroup, sequenc
     return copy_to_tp_region(w, group) if (w is not None and sequence_parallel) else w
 
 
-class TensorParallelRMSNorm(RMSNorm):
+class TensorParallelRMSNorm(_OnTPMesh, RMSNorm):
     """RMSNorm with a replicated weight; under SP it runs on sequence shards."""
 
     def __init__(self, dense: RMSNorm, distribute: _Distributor, *, sequence_parallel: bool) -> None:
         nn.Module.__init__(self)
         self.eps, self.backend, self.weight = dense.eps, dense.backend, dense.weight
-        self.group, self.sequence_parallel = distribute.mesh.get_group(), sequence_parallel
+        self.mesh, self.sequence_parallel = distribute.mesh, sequence_parallel
         distribute(self, "weight", [Replicate()])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -154,13 +174,13 @@ class TensorParallelRMSNorm(RMSNorm):
         return kernels.rms_norm(x, w, self.eps, backend=self.backend)
 
 
-class TensorParallelLayerNorm(LayerNorm):
+class TensorParallelLayerNorm(_OnTPMesh, LayerNorm):
     """LayerNorm with replicated weight and bias; under SP it runs on sequence shards."""
 
     def __init__(self, dense: LayerNorm, distribute: _Distributor, *, sequence_parallel: bool) -> None:
         nn.Module.__init__(self)
         self.eps, self.backend, self.weight, self.bias = dense.eps, dense.backend, dense.weight, dense.bias
-        self.group, self.sequence_parallel = distribute.mesh.get_group(), sequence_parallel
+        self.mesh, self.sequence_parallel = distribute.mesh, sequence_parallel
         distribute(self, "weight", [Replicate()])
         distribute(self, "bias", [Replicate()])
 
@@ -170,14 +190,14 @@ class TensorParallelLayerNorm(LayerNorm):
         return kernels.layer_norm(x, w, b, self.eps, backend=self.backend)
 
 
-class VocabParallelEmbedding(TokenEmbedding):
+class VocabParallelEmbedding(_OnTPMesh, TokenEmbedding):
     """Embedding rows split over the TP group; each rank looks up the tokens it owns (zeros elsewhere) and
     the partial rows are summed: reduce-scattered to sequence shards under SP, all-reduced otherwise."""
 
     def __init__(self, dense: TokenEmbedding, distribute: _Distributor, *, sequence_parallel: bool) -> None:
         nn.Module.__init__(self)
         self.weight, self.dropout = dense.weight, dense.dropout
-        self.group, self.sequence_parallel = distribute.mesh.get_group(), sequence_parallel
+        self.mesh, self.sequence_parallel = distribute.mesh, sequence_parallel
         distribute(self, "weight", [Shard(0)])
         rows = self.weight.shape[0] // distribute.mesh.size()
         self.vocab_start = distribute.mesh.get_local_rank() * rows
@@ -188,22 +208,29 @@ class VocabParallelEmbedding(TokenEmbedding):
         outside = (ids < 0) | (ids >= weight.shape[0])
         x = nn.functional.embedding(ids.masked_fill(outside, 0), weight)
         x = x.masked_fill(outside.unsqueeze(-1), 0.0)
-        x = reduce_scatter_to_sp_region(x, self.group) if self.sequence_parallel else reduce_from_tp_region(x, self.group)
+        if self.sequence_parallel:
+            x = reduce_scatter_to_sp_region(x, self.group)
+        else:
+            x = reduce_from_tp_region(x, self.group)
         return self.dropout(x)
 
 
-class VocabParallelCrossEntropy(NextTokenLoss):
+class VocabParallelCrossEntropy(_OnTPMesh, NextTokenLoss):
     """The next-token loss over this rank's vocabulary columns (see ``cross_entropy.py``)."""
 
     def __init__(self, dense: NextTokenLoss, mesh: DeviceMesh, padded_vocab_size: int) -> None:
         nn.Module.__init__(self)
         self.vocab_size, self.ignore_index, self.backend = dense.vocab_size, dense.ignore_index, dense.backend
-        self.group = mesh.get_group()
+        self.mesh = mesh
         self.vocab_start = mesh.get_local_rank() * (padded_vocab_size // mesh.size())
 
     def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return vocab_parallel_cross_entropy(
-            logits, targets, self.group, vocab_start=self.vocab_start, vocab_size=self.vocab_size,
+            logits,
+            targets,
+            self.group,
+            vocab_start=self.vocab_start,
+            vocab_size=self.vocab_size,
             ignore_index=self.ignore_index,
         )
 
@@ -238,7 +265,9 @@ def apply_tensor_parallel(
 
     def convert(module: nn.Module) -> nn.Module | None:
         if isinstance(module, FanOutLinear):
-            return ColumnParallelLinear(module, distribute, sequence_parallel=sequence_parallel, chunks=chunks)
+            return ColumnParallelLinear(
+                module, distribute, sequence_parallel=sequence_parallel, chunks=chunks
+            )
         if isinstance(module, FanInLinear):
             return RowParallelLinear(module, distribute, sequence_parallel=sequence_parallel, chunks=chunks)
         if isinstance(module, RMSNorm):

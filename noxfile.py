@@ -1,0 +1,117 @@
+"""Sessions for the megascale monorepo.
+
+    nox                 what CI runs: lint, typecheck, each package's tests with that package installed
+                        alone (the à-la-carte proof), docs
+    nox -s tests        every package installed together, every test
+    nox -s core         megascale-core alone (likewise lightning, data, ft)
+    nox -s demo         the main job: a real training run on the embedded default data
+    nox -s benchmarks   print each benchmark's figures (slow; not part of CI)
+
+Every session installs torch first through .ci/constraints.txt, which pins the CPU build that lies on disk
+here; without the pin pip would resolve a multi-GB CUDA build. The packages themselves declare a range.
+"""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.sessions = ["lint", "typecheck", "core", "lightning", "data", "ft", "docs"]
+nox.options.error_on_missing_interpreters = True
+
+CONSTRAINTS = ".ci/constraints.txt"
+TEST_DEPS = ["pytest>=8", "pytest-timeout>=2.3"]
+PACKAGES = {
+    "core": "packages/megascale-core[triton]",
+    "lightning": "packages/megascale-lightning",
+    "data": "packages/megascale-data[s3,lightning]",
+    "ft": "packages/megascale-ft[lightning]",
+}
+# What a package's tests need beyond the package itself (test tools, servers), never another megascale package.
+EXTRA_TEST_DEPS = {
+    "core": [],
+    "lightning": [],
+    "data": ["moto[server]>=5"],
+    "ft": [],
+}
+DOCS_DEPS = ["mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26"]
+
+
+def _install(session: nox.Session, *requirements: str) -> None:
+    session.install("-c", CONSTRAINTS, "torch")  # first, so nothing can pull a CUDA build
+    if requirements:
+        session.install("-c", CONSTRAINTS, *requirements)
+
+
+def _pytest(session: nox.Session, *paths: str) -> None:
+    session.run("python", "-m", "pytest", *paths, *session.posargs, env={"PYTHONHASHSEED": "0"})
+
+
+def _package_session(name: str) -> None:
+    @nox.session(name=name)
+    def run(session: nox.Session) -> None:
+        # megascale-lightning depends on megascale-core (same version), which is not on an index: install
+        # it from the tree first, exactly as its requirement pins it.
+        local_deps = ["packages/megascale-core"] if name == "lightning" else []
+        _install(session, *local_deps, PACKAGES[name], *TEST_DEPS, *EXTRA_TEST_DEPS[name])
+        _pytest(session, f"tests/{name}", "tests/test_packaging.py")
+
+    run.__doc__ = f"megascale-{name} installed alone with its declared dependencies; its tests."
+
+
+for _name in PACKAGES:
+    _package_session(_name)
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """All packages together, all tests."""
+    deps = [dep for name in PACKAGES for dep in EXTRA_TEST_DEPS[name]]
+    _install(session, "packages/megascale-core", *PACKAGES.values(), *TEST_DEPS, *deps)
+    _pytest(session, "tests")
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff over packages, tests, benchmarks and examples."""
+    session.install("ruff>=0.6")
+    paths = ["packages", "tests", "benchmarks", "examples", "noxfile.py"]
+    session.run("ruff", "check", *paths)
+    session.run("ruff", "format", "--check", *paths)
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """mypy over the public packages."""
+    _install(session, "packages/megascale-core", *PACKAGES.values(), "mypy>=1.10")
+    session.run(
+        "mypy",
+        "-p",
+        "megascale.core",
+        "-p",
+        "megascale.lightning",
+        "-p",
+        "megascale.data",
+        "-p",
+        "megascale.ft",
+    )
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """Build the documentation site; warnings are errors."""
+    session.install(*DOCS_DEPS)
+    session.run("mkdocs", "build", "--strict", "--site-dir", "site")
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The main job: pretrain a small GPT on the embedded default data (the Python standard library)."""
+    _install(session, "packages/megascale-core", "tqdm")
+    session.run("python", "examples/pretrain.py", *session.posargs)
+
+
+@nox.session
+def benchmarks(session: nox.Session) -> None:
+    """Run the benchmarks (figures go to the terminal; record them in benchmarks/RESULTS.md)."""
+    _install(session, "packages/megascale-core[triton]")
+    session.run("python", "benchmarks/kernels.py", *session.posargs)

@@ -1,0 +1,143 @@
+"""The GPT on one process: shapes, causality, sliding windows, padding, init, tying, FLOPs and sampling."""
+
+import math
+
+import pytest
+import torch
+
+from megascale.core import GPT, GPTConfig, flops_per_token, generate
+
+TINY = dict(vocab_size=100, d_model=32, n_layers=2, n_heads=4, max_seq_len=32, pad_vocab_to_multiple_of=64)
+
+
+def _model(seed: int = 0, **overrides) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(**{**TINY, **overrides}))
+
+
+@pytest.mark.parametrize("parallel_block", [True, False])
+def test_logits_shape_and_initial_loss(parallel_block):
+    model = _model(parallel_block=parallel_block)
+    tokens = torch.randint(0, 100, (3, 20))
+    assert model(tokens).shape == (3, 20, 128)  # padded vocabulary
+    # small init: predictions near uniform over the 100 real tokens
+    assert model(tokens, tokens).item() == pytest.approx(math.log(100), abs=0.1)
+
+
+def test_output_is_causal():
+    model = _model()
+    tokens = torch.randint(0, 100, (1, 16))
+    changed = tokens.clone()
+    changed[0, 10] = (tokens[0, 10] + 1) % 100
+    a, b = model(tokens), model(changed)
+    assert torch.equal(a[0, :10], b[0, :10])
+    assert not torch.allclose(a[0, 10:], b[0, 10:])
+
+
+@pytest.mark.parametrize("full_attention_every", [None, 1])
+def test_sliding_window_limits_what_a_token_sees(full_attention_every):
+    # one layer, window 4: position i sees positions i-3..i only (unless that layer attends fully)
+    model = _model(n_layers=1, sliding_window=4, full_attention_every=full_attention_every)
+    tokens = torch.randint(0, 100, (1, 16))
+    changed = tokens.clone()
+    changed[0, 2] = (tokens[0, 2] + 1) % 100
+    a, b = model(tokens), model(changed)
+    assert not torch.allclose(a[0, 2:6], b[0, 2:6])  # positions 2..5 have position 2 in their window
+    if full_attention_every is None:
+        assert torch.equal(a[0, 6:], b[0, 6:])
+    else:
+        assert not torch.allclose(a[0, 6:], b[0, 6:])
+
+
+def test_padding_never_enters_the_loss_or_sampling():
+    model = _model()
+    tokens = torch.randint(0, 100, (2, 12))
+    loss = model(tokens, tokens)
+    with torch.no_grad():
+        model.head.proj["logits"].weight[100:] = 10.0  # make padded logits dominate
+    assert model(tokens, tokens).item() == pytest.approx(loss.item(), abs=1e-6)
+    out = generate(
+        model, tokens[:, :4], max_new_tokens=8, temperature=1.0, generator=torch.Generator().manual_seed(0)
+    )
+    assert out.shape == (2, 12) and int(out.max()) < 100
+
+
+def test_meta_build_then_init_equals_direct_build():
+    direct = _model(seed=3, tie_embeddings=True, bias=True, activation="gelu")
+    torch.manual_seed(3)
+    with torch.device("meta"):
+        lazy = GPT(GPTConfig(**TINY, tie_embeddings=True, bias=True, activation="gelu"))
+    lazy.to_empty(device="cpu")
+    lazy.init_weights()
+    for (name, a), b in zip(direct.state_dict().items(), lazy.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert torch.equal(direct.rope.cos, lazy.rope.cos)
+
+
+def test_tied_embeddings_share_one_parameter():
+    model = _model(tie_embeddings=True)
+    assert model.head.proj["logits"].weight is model.embed.weight
+    untied = _model(tie_embeddings=False)
+    assert untied.num_parameters() - model.num_parameters() == 128 * 32
+
+
+def test_grouped_query_attention_shrinks_key_value_projections():
+    mha, mqa = _model(), _model(n_kv_heads=1)
+    assert mqa.blocks["0"].in_proj["k"].weight.shape == (8, 32)  # one head of 8
+    assert mha.num_parameters() - mqa.num_parameters() == 2 * 2 * (32 - 8) * 32
+    mqa(torch.randint(0, 100, (1, 8)), torch.randint(0, 100, (1, 8))).backward()
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(parallel_block=True),
+        dict(parallel_block=False, norm="layernorm", activation="gelu", bias=True, dropout=0.1),
+    ],
+)
+def test_training_reduces_the_loss(overrides):
+    model = _model(**overrides)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    tokens = torch.randint(0, 100, (4, 17), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for _ in range(30):
+        loss = model(tokens[:, :-1], tokens[:, 1:])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0]
+
+
+def test_forced_kernel_backends_agree():
+    tokens = torch.randint(0, 100, (2, 16))
+    losses = [
+        _model(kernels={"attention": b}, sliding_window=5)(tokens, tokens).item() for b in ("sdpa", "torch")
+    ]
+    assert losses[0] == pytest.approx(losses[1], abs=1e-5)
+
+
+def test_too_long_sequence_is_rejected():
+    with pytest.raises(ValueError, match="longer than max_seq_len=32"):
+        _model()(torch.zeros(1, 33, dtype=torch.long))
+
+
+def test_flops_per_token():
+    cfg = GPTConfig(**{**TINY, "n_layers": 1})
+    d, f, v = 32, cfg.ffn_dim, 128
+    matmuls = 4 * d * d + 3 * d * f + d * v
+    assert flops_per_token(cfg, 16) == pytest.approx(6 * matmuls + 12 * d * (16 + 1) / 2)
+    windowed = GPTConfig(**{**TINY, "n_layers": 1, "sliding_window": 4})
+    assert flops_per_token(windowed, 16) < flops_per_token(cfg, 16)
+    # a window as long as the sequence costs the same as full attention
+    assert flops_per_token(GPTConfig(**{**TINY, "sliding_window": 16}), 16) == flops_per_token(
+        GPTConfig(**TINY), 16
+    )
+
+
+def test_greedy_generation_is_deterministic():
+    model = _model()
+    prompt = torch.randint(0, 100, (1, 5))
+    a = generate(model, prompt, max_new_tokens=6, temperature=0)
+    b = generate(model, prompt, max_new_tokens=6, temperature=0)
+    assert torch.equal(a, b) and torch.equal(a[:, :5], prompt)
