@@ -9,7 +9,8 @@ which is how MegaScale halves the communication of a parallel block. Parameters 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -43,13 +44,17 @@ class FanOutLinear(nn.ModuleDict):
         super().__init__({name: Projection(in_features, n, bias) for name, n in out_features.items()})
         self.fused_bias = frozenset(fused_bias)
 
+    def projections(self) -> Iterator[tuple[str, Projection]]:
+        return ((name, cast(Projection, p)) for name, p in self.items())
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tuple(
-            F.linear(x, p.weight, None if name in self.fused_bias else p.bias) for name, p in self.items()
+            F.linear(x, p.weight, None if name in self.fused_bias else p.bias)
+            for name, p in self.projections()
         )
 
     def bias_of(self, name: str) -> torch.Tensor | None:
-        return self[name].bias
+        return cast(Projection, self[name]).bias
 
 
 class FanInLinear(nn.ModuleDict):
@@ -59,7 +64,12 @@ class FanInLinear(nn.ModuleDict):
         super().__init__({name: Projection(n, out_features, bias=False) for name, n in in_features.items()})
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
+    def projections(self) -> Iterator[tuple[str, Projection]]:
+        return ((name, cast(Projection, p)) for name, p in self.items())
+
     def forward(self, *xs: torch.Tensor) -> torch.Tensor:
-        y = sum(F.linear(x, p.weight) for x, p in zip(xs, self.values(), strict=True))
-        assert isinstance(y, torch.Tensor)
+        ys = [F.linear(x, p.weight) for x, (_, p) in zip(xs, self.projections(), strict=True)]
+        y = ys[0]
+        for other in ys[1:]:
+            y = y + other
         return y if self.bias is None else y + self.bias

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from megascale.core.kernels import rope_tables
@@ -14,6 +15,9 @@ class RotaryEmbedding(nn.Module):
 
     One instance is shared by all layers; a pipeline stage keeps it through the blocks it holds.
     """
+
+    cos: torch.Tensor
+    sin: torch.Tensor
 
     def __init__(self, head_dim: int, max_seq_len: int, theta: float) -> None:
         super().__init__()

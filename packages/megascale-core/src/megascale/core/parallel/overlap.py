@@ -98,7 +98,8 @@ class _AllGatherMatmul(torch.autograd.Function):
             scatters.append((off, size, out, work))
         x_work.wait()
         x_rows = x_all.view(-1, D)  # rows in (rank, batch, position) order, as _by_rank(g) below
-        grad_w, grad_b = [], []
+        grad_w: list[torch.Tensor | None] = []
+        grad_b: list[torch.Tensor | None] = []
         for g, has_bias in zip(grads, ctx.has_bias):
             if g is None:
                 grad_w.append(None)
@@ -130,7 +131,8 @@ class _CopyMatmul(torch.autograd.Function):
         grad_x = grad_x.contiguous()
         work = dist.all_reduce(grad_x, group=ctx.group, async_op=ctx.overlap)
         x_rows = x.reshape(-1, x.shape[-1])
-        grad_w, grad_b = [], []
+        grad_w: list[torch.Tensor | None] = []
+        grad_b: list[torch.Tensor | None] = []
         for g, has_bias in zip(grads, ctx.has_bias):
             g_rows = None if g is None else g.reshape(-1, g.shape[-1])
             grad_w.append(None if g_rows is None else g_rows.t() @ x_rows)

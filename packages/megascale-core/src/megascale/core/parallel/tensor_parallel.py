@@ -25,6 +25,7 @@ on replicated activations matches across ranks; on sequence shards each rank mas
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import overload
 
 import torch
 import torch.distributed as dist
@@ -56,6 +57,10 @@ __all__ = [
 ]
 
 
+@overload
+def local(t: torch.Tensor) -> torch.Tensor: ...
+@overload
+def local(t: None) -> None: ...
 def local(t: torch.Tensor | None) -> torch.Tensor | None:
     """The local shard of a DTensor parameter (differentiable); plain tensors pass through."""
     return t.to_local() if isinstance(t, DTensor) else t
@@ -109,19 +114,19 @@ class ColumnParallelLinear(_OnTPMesh, FanOutLinear):
         self.fused_bias = dense.fused_bias
         self.mesh = distribute.mesh
         self.sequence_parallel, self.chunks = sequence_parallel, chunks
-        for proj in self.values():
+        for _, proj in self.projections():
             distribute(proj, "weight", [Shard(0)])
             distribute(proj, "bias", [Shard(0)])
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        weights = [local(p.weight) for p in self.values()]
-        biases = [None if name in self.fused_bias else local(p.bias) for name, p in self.items()]
+        weights = [local(p.weight) for _, p in self.projections()]
+        biases = [None if name in self.fused_bias else local(p.bias) for name, p in self.projections()]
         return column_parallel_matmul(
             x, weights, biases, self.group, sequence_parallel=self.sequence_parallel, chunks=self.chunks
         )
 
     def bias_of(self, name: str) -> torch.Tensor | None:
-        return local(self[name].bias)
+        return local(super().bias_of(name))
 
     def extra_repr(self) -> str:
         return f"sequence_parallel={self.sequence_parallel}, chunks={self.chunks}"
@@ -136,12 +141,12 @@ class RowParallelLinear(_OnTPMesh, FanInLinear):
         self.bias = dense.bias
         self.mesh = distribute.mesh
         self.sequence_parallel, self.chunks = sequence_parallel, chunks
-        for proj in self.values():
+        for _, proj in self.projections():
             distribute(proj, "weight", [Shard(1)])
         distribute(self, "bias", [Replicate()])
 
     def forward(self, *xs: torch.Tensor) -> torch.Tensor:
-        weights = [local(p.weight) for p in self.values()]
+        weights = [local(p.weight) for _, p in self.projections()]
         y = row_parallel_matmul(
             list(xs), weights, self.group, sequence_parallel=self.sequence_parallel, chunks=self.chunks
         )
