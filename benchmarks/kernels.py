@@ -148,12 +148,23 @@ def make_cases(small: bool, dtype: torch.dtype, device: torch.device, only: set[
             pairs = sum(min(i + 1, w) for i in range(T))  # (query, key) pairs the mask keeps
             flops = 4.0 * B * H * hd * pairs
             label = f"B{B} T{T} H{H}/{KV} hd{hd} " + ("causal" if window is None else f"window {window}")
-            out.append(Case("attention", label, [q, k, v], {"window": window}, [0, 1, 2], flops, 2.5 * flops,
-                            unit="TFLOP/s"))
+            out.append(
+                Case(
+                    "attention",
+                    label,
+                    [q, k, v],
+                    {"window": window},
+                    [0, 1, 2],
+                    flops,
+                    2.5 * flops,
+                    unit="TFLOP/s",
+                )
+            )
         return out
 
-    builders.update(bias_gelu=bias_gelu, swiglu=swiglu, rope=rope, cross_entropy=cross_entropy,
-                    attention=attention)
+    builders.update(
+        bias_gelu=bias_gelu, swiglu=swiglu, rope=rope, cross_entropy=cross_entropy, attention=attention
+    )
     return [case for name in KERNEL_NAMES if name in only for case in builders[name]()]
 
 
@@ -250,23 +261,45 @@ def run_case(case: Case, device: torch.device, compile_ref: bool, warmup: int, i
     for pass_name in ("fwd", "fwd+bwd"):
         t_fused, t_eager = times[("fused", pass_name)], times[("eager", pass_name)]
         t_comp = times.get(("compile", pass_name))
-        rows.append([
-            case.kernel, case.label, pass_name, selected.name,
-            _fmt_time(t_fused), _fmt_time(t_eager), _fmt_time(t_comp),
-            "-" if None in (t_fused, t_eager) else f"{t_fused / t_eager:.2f}",  # type: ignore[operator]
-            "-" if None in (t_fused, t_comp) else f"{t_fused / t_comp:.2f}",  # type: ignore[operator]
-            f"{diff:.1e}" if pass_name == "fwd" else "",
-            case.unit,
-            _fmt_rate(case, pass_name, t_fused), _fmt_rate(case, pass_name, t_eager),
-            _fmt_rate(case, pass_name, t_comp),
-        ])
+        rows.append(
+            [
+                case.kernel,
+                case.label,
+                pass_name,
+                selected.name,
+                _fmt_time(t_fused),
+                _fmt_time(t_eager),
+                _fmt_time(t_comp),
+                "-" if None in (t_fused, t_eager) else f"{t_fused / t_eager:.2f}",  # type: ignore[operator]
+                "-" if None in (t_fused, t_comp) else f"{t_fused / t_comp:.2f}",  # type: ignore[operator]
+                f"{diff:.1e}" if pass_name == "fwd" else "",
+                case.unit,
+                _fmt_rate(case, pass_name, t_fused),
+                _fmt_rate(case, pass_name, t_eager),
+                _fmt_rate(case, pass_name, t_comp),
+            ]
+        )
     for line in errors:
         print(f"  ! {line}", file=sys.stderr)
     return rows
 
 
-HEADER = ["kernel", "shape", "pass", "backend", "fused ms", "eager ms", "compile ms", "f/eager", "f/compile",
-          "max|Δ|", "unit", "fused", "eager", "compile"]
+HEADER = [
+    "kernel",
+    "shape",
+    "pass",
+    "backend",
+    "fused ms",
+    "eager ms",
+    "compile ms",
+    "f/eager",
+    "f/compile",
+    "max|Δ|",
+    "unit",
+    "fused",
+    "eager",
+    "compile",
+]
 
 
 def print_table(rows: list[list[str]]) -> None:
@@ -313,8 +346,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--large", dest="small", action="store_false", help="LLM shapes (default on CUDA)")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile path")
     parser.add_argument("--kernels", nargs="+", choices=KERNEL_NAMES, default=KERNEL_NAMES)
-    parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
-                        help="default: bf16 on CUDA, fp32 on the CPU")
+    parser.add_argument(
+        "--dtype",
+        choices=["bf16", "fp16", "fp32"],
+        default=None,
+        help="default: bf16 on CUDA, fp32 on the CPU",
+    )
     parser.add_argument("--warmup", type=int, default=None, help="untimed calls (default: 5 CUDA, 1 CPU)")
     parser.add_argument("--iters", type=int, default=None, help="timed calls (default: 20 CUDA, 5 CPU)")
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
@@ -330,9 +367,11 @@ def main(argv: list[str] | None = None) -> None:
     iters = args.iters if args.iters is not None else (20 if on_gpu else 5)
     torch.manual_seed(0)
 
-    print(f"megascale kernel benchmark: {'small' if small else 'LLM'} shapes, {dtype}, "
-          f"{warmup} warm-up + {iters} timed calls, torch {torch.__version__}"
-          + ("" if args.no_compile else ", torch.compile of the reference included"))
+    print(
+        f"megascale kernel benchmark: {'small' if small else 'LLM'} shapes, {dtype}, "
+        f"{warmup} warm-up + {iters} timed calls, torch {torch.__version__}"
+        + ("" if args.no_compile else ", torch.compile of the reference included")
+    )
     describe_backends(device, args.kernels)
 
     rows: list[list[str]] = []

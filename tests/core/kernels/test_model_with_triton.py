@@ -11,8 +11,15 @@ pytest.importorskip("triton")
 from megascale.core import GPT, GPTConfig
 
 FUSED = ["rms_norm", "layer_norm", "bias_gelu", "swiglu", "rope", "cross_entropy"]
-TINY = dict(vocab_size=100, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32,
-            pad_vocab_to_multiple_of=64)
+TINY = dict(
+    vocab_size=100,
+    d_model=32,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    max_seq_len=32,
+    pad_vocab_to_multiple_of=64,
+)
 
 
 @pytest.mark.parametrize(

@@ -42,8 +42,17 @@ def _forward(X, B, Y, numel, N, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
 
 @triton.jit
 def _backward(
-    DY, X, B, DX, DB_PARTIAL, M, N, rows_per_program,
-    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DY,
+    X,
+    B,
+    DX,
+    DB_PARTIAL,
+    M,
+    N,
+    rows_per_program,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
@@ -100,8 +109,17 @@ class _BiasGelu(torch.autograd.Function):
         if M:
             grid = (triton.cdiv(N, _BLOCK_N), programs)
             _backward[grid](
-                dy, x, x if bias is None else bias, dx, db_partial, M, N, per_program,
-                HAS_BIAS=bias is not None, BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N,
+                dy,
+                x,
+                x if bias is None else bias,
+                dx,
+                db_partial,
+                M,
+                N,
+                per_program,
+                HAS_BIAS=bias is not None,
+                BLOCK_M=_BLOCK_M,
+                BLOCK_N=_BLOCK_N,
             )
         db = None if bias is None else db_partial.sum(0).to(bias.dtype)
         return dx, db

@@ -32,7 +32,14 @@ _MAX_BLOCK_V = 8192  # vocabulary columns per step: 128256 columns take 16 steps
 
 @triton.jit
 def _forward(
-    LOGITS, TARGETS, LOSS, LSE, stride_row, V_VALID, ignore_index, BLOCK_V: tl.constexpr,
+    LOGITS,
+    TARGETS,
+    LOSS,
+    LSE,
+    stride_row,
+    V_VALID,
+    ignore_index,
+    BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     base = LOGITS + row * stride_row
@@ -56,7 +63,17 @@ def _forward(
 
 @triton.jit
 def _backward(
-    LOGITS, TARGETS, LSE, SCALE, DLOGITS, stride_row, stride_drow, stride_scale, V, V_VALID, ignore_index,
+    LOGITS,
+    TARGETS,
+    LSE,
+    SCALE,
+    DLOGITS,
+    stride_row,
+    stride_drow,
+    stride_scale,
+    V,
+    V_VALID,
+    ignore_index,
     BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -103,7 +120,14 @@ class _CrossEntropy(torch.autograd.Function):
         lse = torch.empty(M, dtype=torch.float32, device=logits.device)
         if M:
             _forward[(M,)](
-                rows, targets, loss, lse, rows.stride(0), v_valid, ignore_index, BLOCK_V=block,
+                rows,
+                targets,
+                loss,
+                lse,
+                rows.stride(0),
+                v_valid,
+                ignore_index,
+                BLOCK_V=block,
                 num_warps=num_warps(block),
             )
         counted = (targets != ignore_index).sum()
@@ -125,8 +149,19 @@ class _CrossEntropy(torch.autograd.Function):
         dlogits = torch.empty((M, V), dtype=rows.dtype, device=rows.device)
         if M:
             _backward[(M,)](
-                rows, targets, lse, scale, dlogits, rows.stride(0), dlogits.stride(0), stride_scale, V,
-                v_valid, ignore_index, BLOCK_V=block, num_warps=num_warps(block),
+                rows,
+                targets,
+                lse,
+                scale,
+                dlogits,
+                rows.stride(0),
+                dlogits.stride(0),
+                stride_scale,
+                V,
+                v_valid,
+                ignore_index,
+                BLOCK_V=block,
+                num_warps=num_warps(block),
             )
         return dlogits.view(shape), None, None, None, None, None
 

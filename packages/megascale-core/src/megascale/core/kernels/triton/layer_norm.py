@@ -18,9 +18,7 @@ __all__ = ["layer_norm"]
 
 
 @triton.jit
-def _forward(
-    X, W, B, Y, MEAN, RSTD, stride_x, stride_y, N, eps, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr
-):
+def _forward(X, W, B, Y, MEAN, RSTD, stride_x, stride_y, N, eps, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -38,8 +36,22 @@ def _forward(
 
 @triton.jit
 def _backward(
-    DY, X, W, MEAN, RSTD, DX, DW_PARTIAL, DB_PARTIAL, stride_dy, stride_x, stride_dx, M, N, rows_per_program,
-    HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+    DY,
+    X,
+    W,
+    MEAN,
+    RSTD,
+    DX,
+    DW_PARTIAL,
+    DB_PARTIAL,
+    stride_dy,
+    stride_x,
+    stride_dx,
+    M,
+    N,
+    rows_per_program,
+    HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
@@ -85,8 +97,19 @@ class _LayerNorm(torch.autograd.Function):
         rstd = torch.empty(M, dtype=torch.float32, device=x.device)
         if M:
             _forward[(M,)](
-                x2, weight, weight if bias is None else bias, y, mean, rstd, x2.stride(0), y.stride(0), N,
-                eps, HAS_BIAS=bias is not None, BLOCK=block, num_warps=num_warps(block),
+                x2,
+                weight,
+                weight if bias is None else bias,
+                y,
+                mean,
+                rstd,
+                x2.stride(0),
+                y.stride(0),
+                N,
+                eps,
+                HAS_BIAS=bias is not None,
+                BLOCK=block,
+                num_warps=num_warps(block),
             )
         ctx.save_for_backward(x2, weight, mean, rstd)
         ctx.has_bias = bias is not None
@@ -106,8 +129,22 @@ class _LayerNorm(torch.autograd.Function):
         if M:
             block = row_block(N, "layer_norm")
             _backward[(programs,)](
-                dy2, x2, weight, mean, rstd, dx, dw_partial, db_partial, dy2.stride(0), x2.stride(0),
-                dx.stride(0), M, N, per_program, HAS_BIAS=ctx.has_bias, BLOCK=block,
+                dy2,
+                x2,
+                weight,
+                mean,
+                rstd,
+                dx,
+                dw_partial,
+                db_partial,
+                dy2.stride(0),
+                x2.stride(0),
+                dx.stride(0),
+                M,
+                N,
+                per_program,
+                HAS_BIAS=ctx.has_bias,
+                BLOCK=block,
                 num_warps=num_warps(block),
             )
         db = db_partial.sum(0).to(ctx.bias_dtype) if ctx.has_bias else None

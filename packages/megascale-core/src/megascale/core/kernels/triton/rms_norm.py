@@ -31,7 +31,18 @@ def _forward(X, W, Y, RSTD, stride_x, stride_y, N, eps, BLOCK: tl.constexpr):
 
 @triton.jit
 def _backward(
-    DY, X, W, RSTD, DX, DW_PARTIAL, stride_dy, stride_x, stride_dx, M, N, rows_per_program,
+    DY,
+    X,
+    W,
+    RSTD,
+    DX,
+    DW_PARTIAL,
+    stride_dy,
+    stride_x,
+    stride_dx,
+    M,
+    N,
+    rows_per_program,
     BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -66,8 +77,18 @@ class _RMSNorm(torch.autograd.Function):
         y = torch.empty((M, N), dtype=x.dtype, device=x.device)
         rstd = torch.empty(M, dtype=torch.float32, device=x.device)
         if M:
-            _forward[(M,)](x2, weight, y, rstd, x2.stride(0), y.stride(0), N, eps, BLOCK=block,
-                           num_warps=num_warps(block))
+            _forward[(M,)](
+                x2,
+                weight,
+                y,
+                rstd,
+                x2.stride(0),
+                y.stride(0),
+                N,
+                eps,
+                BLOCK=block,
+                num_warps=num_warps(block),
+            )
         ctx.save_for_backward(x2, weight, rstd)
         ctx.x_shape = x.shape
         return y.view(x.shape)
@@ -83,8 +104,20 @@ class _RMSNorm(torch.autograd.Function):
         if M:
             block = row_block(N, "rms_norm")
             _backward[(programs,)](
-                dy2, x2, weight, rstd, dx, dw_partial, dy2.stride(0), x2.stride(0), dx.stride(0), M, N,
-                per_program, BLOCK=block, num_warps=num_warps(block),
+                dy2,
+                x2,
+                weight,
+                rstd,
+                dx,
+                dw_partial,
+                dy2.stride(0),
+                x2.stride(0),
+                dx.stride(0),
+                M,
+                N,
+                per_program,
+                BLOCK=block,
+                num_warps=num_warps(block),
             )
         return dx.view(ctx.x_shape), dw_partial.sum(0).to(weight.dtype), None
 

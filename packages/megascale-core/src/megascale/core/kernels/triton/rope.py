@@ -19,8 +19,25 @@ __all__ = ["apply_rope"]
 
 @triton.jit
 def _rotate(
-    X, COS, SIN, Y, T, H, HALF, sxb, sxt, sxh, sxd, syb, syt, syh, syd, stride_cs,
-    SIGN: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    X,
+    COS,
+    SIN,
+    Y,
+    T,
+    H,
+    HALF,
+    sxb,
+    sxt,
+    sxh,
+    sxd,
+    syb,
+    syt,
+    syh,
+    syd,
+    stride_cs,
+    SIGN: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b = (pid // T).to(tl.int64)
@@ -46,8 +63,20 @@ def _launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) 
     if x.numel():
         block_h, block_d = triton.next_power_of_2(H), triton.next_power_of_2(half)
         _rotate[(B * T,)](
-            x, cos, sin, y, T, H, half, *x.stride(), *y.stride(), cos.stride(0),
-            SIGN=sign, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=num_warps(block_h * block_d),
+            x,
+            cos,
+            sin,
+            y,
+            T,
+            H,
+            half,
+            *x.stride(),
+            *y.stride(),
+            cos.stride(0),
+            SIGN=sign,
+            BLOCK_H=block_h,
+            BLOCK_D=block_d,
+            num_warps=num_warps(block_h * block_d),
         )
     return y
 
