@@ -34,7 +34,8 @@ def unavailable_if_forced(device: torch.device) -> str | None:
     if device.type == "cpu":
         if _optional.triton_interpreted():
             return None
-        return "Triton on CPU needs its interpreter: set TRITON_INTERPRET=1 before the first kernel launch"
+        # triton.jit picks the interpreter when a kernel module is imported, i.e. at the first Triton call.
+        return "Triton on CPU needs its interpreter: set TRITON_INTERPRET=1 before the first Triton call"
     return f"the Triton backends run on CUDA (or on the CPU through the interpreter), not on {device.type}"
 
 
