@@ -73,7 +73,9 @@ def evaluate(model: GPT, tokens: torch.Tensor, seq_len: int, batches_: int = 8) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=128)
@@ -111,7 +113,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     first_val = evaluate(model, val, args.seq_len)
     stream = batches(train, args.batch_size, args.seq_len, torch.Generator().manual_seed(args.seed))
-    bar = tqdm(range(args.steps), desc="pretraining", unit="step", mininterval=1.0) if tqdm else range(args.steps)
+    bar = (
+        tqdm(range(args.steps), desc="pretraining", unit="step", mininterval=1.0)
+        if tqdm
+        else range(args.steps)
+    )
     start, ema = time.perf_counter(), None
     for step in bar:
         for group in optimizer.param_groups:
@@ -129,9 +135,13 @@ def main(argv: list[str] | None = None) -> int:
         elif step % 25 == 0 or step == args.steps - 1:
             print(f"step {step:4d}  loss {ema:.3f}  grad-norm {grad_norm:.2f}  {tok_s:,.0f} tokens/s")
     final_val = evaluate(model, val, args.seq_len)
-    print(f"held-out loss: {first_val:.3f} → {final_val:.3f} nats/byte ({final_val / math.log(2):.2f} bits/byte)")
+    print(
+        f"held-out loss: {first_val:.3f} → {final_val:.3f} nats/byte ({final_val / math.log(2):.2f} bits/byte)"
+    )
     prompt = torch.tensor([list(b"def ")])
-    sample = generate(model, prompt, 160, temperature=0.8, top_k=40, generator=torch.Generator().manual_seed(0))
+    sample = generate(
+        model, prompt, 160, temperature=0.8, top_k=40, generator=torch.Generator().manual_seed(0)
+    )
     print("sample:\n" + bytes(sample[0].tolist()).decode("utf-8", errors="replace"))
     if not final_val < first_val:
         print("the held-out loss did not improve", file=sys.stderr)

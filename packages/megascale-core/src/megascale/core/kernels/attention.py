@@ -37,7 +37,9 @@ def attention_mask(t: int, window: int | None, device: torch.device) -> torch.Te
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None) -> None:
     if q.dim() != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
-        raise ValueError(f"attention expects q (B, T, H, hd) and k, v (B, T, KV, hd); got {q.shape}, {k.shape}")
+        raise ValueError(
+            f"attention expects q (B, T, H, hd) and k, v (B, T, KV, hd); got {q.shape}, {k.shape}"
+        )
     if q.shape[1] != k.shape[1]:
         raise ValueError(f"causal attention needs as many queries as keys; got {q.shape[1]} and {k.shape[1]}")
     if q.shape[2] % k.shape[2]:
@@ -63,7 +65,12 @@ def _flash(q, k, v, *, window: int | None = None, scale: float | None = None, dr
     fa = _optional.flash_attn()
     assert fa is not None
     return fa.flash_attn_func(
-        q, k, v, dropout_p=dropout_p, softmax_scale=scale, causal=True,
+        q,
+        k,
+        v,
+        dropout_p=dropout_p,
+        softmax_scale=scale,
+        causal=True,
         window_size=(-1, -1) if window is None else (window - 1, 0),
     )
 
@@ -89,7 +96,7 @@ def _sdpa(q, k, v, *, window: int | None = None, scale: float | None = None, dro
 @attention.register("torch")
 def _reference(q, k, v, *, window: int | None = None, scale: float | None = None, dropout_p: float = 0.0):
     _check(q, k, v, window)
-    B, T, H, hd = q.shape
+    _, T, H, hd = q.shape
     rep = H // k.shape[2]
     k = k.repeat_interleave(rep, dim=2)
     v = v.repeat_interleave(rep, dim=2)
