@@ -187,9 +187,14 @@ def test_triton_on_cpu_can_be_forced_with_the_interpreter(monkeypatch: pytest.Mo
 
 
 def test_importing_megascale_core_does_not_import_triton() -> None:
+    # torch is imported first: its own import-time warnings (e.g. no NumPy in a bare venv) are not ours.
     code = (
-        "import sys, megascale.core, megascale.core.kernels as k; "
-        "assert 'triton' not in sys.modules, 'triton imported'; "
-        "k.rms_norm.backend_names()"
+        "import sys, warnings, torch\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    import megascale.core, megascale.core.kernels as k\n"
+        "assert not caught, [str(w.message) for w in caught]\n"
+        "assert 'triton' not in sys.modules, 'triton imported'\n"
+        "k.rms_norm.backend_names()\n"
     )
-    subprocess.run([sys.executable, "-W", "error", "-c", code], check=True, timeout=120)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
