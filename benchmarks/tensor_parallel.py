@@ -35,12 +35,15 @@ from torch.distributed.device_mesh import init_device_mesh
 from megascale.core import GPT, GPTConfig, apply_tensor_parallel
 
 
-def _time_steps(model: GPT, tokens: torch.Tensor, steps: int, warmup: int, device: torch.device) -> float:
+def _time_steps(
+    model: GPT, tokens: torch.Tensor, steps: int, warmup: int, device: torch.device, together: bool
+) -> float:
+    """Median forward+backward time; ``together``: all ranks start each step at a barrier."""
     times = []
     for i in range(warmup + steps):
         if device.type == "cuda":
             torch.cuda.synchronize()
-        if dist.is_initialized():
+        if together:
             dist.barrier()
         start = time.perf_counter()
         model(tokens, tokens).backward()
@@ -84,7 +87,7 @@ def _worker(rank: int, args: argparse.Namespace, store: str, out: str) -> None:
     mesh = init_device_mesh(device.type, (args.tp,))
     results = {}
     if rank == 0:
-        results["tp=1"] = _time_steps(base, tokens, args.steps, args.warmup, device)
+        results["tp=1"] = _time_steps(base, tokens, args.steps, args.warmup, device, together=False)
     dist.barrier()
     layouts = {
         f"tp={args.tp}, no SP": dict(sequence_parallel=False, overlap=False),
@@ -93,7 +96,7 @@ def _worker(rank: int, args: argparse.Namespace, store: str, out: str) -> None:
     }
     for name, kwargs in layouts.items():
         model = apply_tensor_parallel(copy.deepcopy(base), mesh, **kwargs)
-        results[name] = _time_steps(model, tokens, args.steps, args.warmup, device)
+        results[name] = _time_steps(model, tokens, args.steps, args.warmup, device, together=True)
     if rank == 0:
         torch.save(results, out)
     dist.destroy_process_group()
