@@ -50,10 +50,26 @@ def _start_gather(piece: torch.Tensor, tp: int, group: ProcessGroup) -> tuple[to
     return buf, work
 
 
-def _by_rank(x: torch.Tensor, tp: int) -> torch.Tensor:
-    """(B, T, F) → (tp, B, T/tp, F) view: rank r's sequence shard at index r."""
+def _by_position(x: torch.Tensor, tp: int) -> torch.Tensor:
+    """(B, T, F) → (B, tp, T/tp, F) view: [:, r] is rank r's sequence shard. Free for contiguous x, and the
+    (B, tp) dimensions merge, so a GEMM on a slice [:, :, a:b] runs without copying its input."""
     B, T = x.shape[:2]
-    return x.reshape(B, tp, T // tp, x.shape[-1]).transpose(0, 1)
+    return x.view(B, tp, T // tp, x.shape[-1])
+
+
+def _rank_major(parts: torch.Tensor) -> torch.Tensor:
+    """(B, tp, n, F) → (tp·B, n, F) contiguous, the layout a reduce-scatter sends (block r to rank r)."""
+    return parts.transpose(0, 1).contiguous().flatten(0, 1)
+
+
+def _position_major(gathered: torch.Tensor, tp: int) -> torch.Tensor:
+    """(tp·B, n, F) as an all-gather returns it → (B, tp, n, F) contiguous (a copy only when B > 1)."""
+    return gathered.view(tp, -1, *gathered.shape[1:]).transpose(0, 1).contiguous()
+
+
+# Only d_model-wide tensors (gathered inputs, reduce-scatter partials, output gradients) are ever reordered
+# between rank-major and position-major; the wider projection inputs and outputs are GEMM operands read or
+# written in place through _by_position views.
 
 
 class _AllGatherMatmul(torch.autograd.Function):
@@ -63,20 +79,26 @@ class _AllGatherMatmul(torch.autograd.Function):
         tp = dist.get_world_size(group)
         B, Ts, D = x.shape
         spans = _spans(Ts, chunks)
-        outs = [x.new_empty(B, tp, Ts, w.shape[0]) for w in weights]
-        pending = _start_gather(x[:, : spans[0][1]], tp, group)
-        for c, (off, size) in enumerate(spans):
-            buf, work = pending
+        if len(spans) == 1:
+            buf, work = _start_gather(x, tp, group)
             work.wait()
-            if c + 1 < len(spans):
-                nxt_off, nxt_size = spans[c + 1]
-                pending = _start_gather(x[:, nxt_off : nxt_off + nxt_size], tp, group)
-            gathered = buf.view(tp, B, size, D)
-            for out, w, b in zip(outs, weights, biases):
-                out[:, :, off : off + size] = F.linear(gathered, w, b).transpose(0, 1)
+            rows = _position_major(buf, tp).view(B, tp * Ts, D)
+            outs = [F.linear(rows, w, b) for w, b in zip(weights, biases)]
+        else:
+            outs = [x.new_empty(B, tp * Ts, w.shape[0]) for w in weights]
+            pending = _start_gather(x[:, : spans[0][1]], tp, group)
+            for c, (off, size) in enumerate(spans):
+                buf, work = pending
+                work.wait()
+                if c + 1 < len(spans):
+                    nxt_off, nxt_size = spans[c + 1]
+                    pending = _start_gather(x[:, nxt_off : nxt_off + nxt_size], tp, group)
+                rows = _position_major(buf, tp)  # (B, tp, size, D)
+                for out, w, b in zip(outs, weights, biases):
+                    _by_position(out, tp)[:, :, off : off + size] = F.linear(rows, w, b)
         ctx.save_for_backward(x, *weights)
         ctx.group, ctx.spans, ctx.has_bias = group, spans, [b is not None for b in biases]
-        return tuple(o.view(B, tp * Ts, -1) for o in outs)
+        return tuple(outs)
 
     @staticmethod
     def backward(ctx, *grads):
@@ -84,30 +106,25 @@ class _AllGatherMatmul(torch.autograd.Function):
         group, spans = ctx.group, ctx.spans
         tp = dist.get_world_size(group)
         B, Ts, D = x.shape
-        live = [(g, w) for g, w in zip(grads, weights) if g is not None]
+        live = [(_by_position(g.contiguous(), tp), w) for g, w in zip(grads, weights) if g is not None]
         # The input is needed again for the weight gradients: gather it while the input gradient computes.
         x_all, x_work = _start_gather(x, tp, group)
-        grad_x = x.new_empty(B, Ts, D)
         scatters = []
-        by_rank = [(_by_rank(g, tp), w) for g, w in live]
         for off, size in spans:
-            part = sum(g[:, :, off : off + size] @ w for g, w in by_rank)  # (tp, B, size, D)
-            part = part.contiguous() if isinstance(part, torch.Tensor) else x.new_zeros(tp, B, size, D)
+            part = sum(g[:, :, off : off + size] @ w for g, w in live)  # (B, tp, size, D)
+            part = part if isinstance(part, torch.Tensor) else x.new_zeros(B, tp, size, D)
             out = x.new_empty(B, size, D)
-            work = reduce_scatter_flat(out, part.flatten(0, 1), group=group, async_op=True)
+            work = reduce_scatter_flat(out, _rank_major(part), group=group, async_op=True)
             scatters.append((off, size, out, work))
         x_work.wait()
-        x_rows = x_all.view(-1, D)  # rows in (rank, batch, position) order, as _by_rank(g) below
+        x_rows = _position_major(x_all, tp).view(-1, D)  # rows in sequence order, as g.view(-1, N)
         grad_w: list[torch.Tensor | None] = []
         grad_b: list[torch.Tensor | None] = []
         for g, has_bias in zip(grads, ctx.has_bias):
-            if g is None:
-                grad_w.append(None)
-                grad_b.append(None)
-                continue
-            g_rows = _by_rank(g, tp).reshape(-1, g.shape[-1])
-            grad_w.append(g_rows.t() @ x_rows)
-            grad_b.append(g_rows.sum(0) if has_bias else None)
+            g_rows = None if g is None else g.reshape(-1, g.shape[-1])
+            grad_w.append(None if g_rows is None else g_rows.t() @ x_rows)
+            grad_b.append(g_rows.sum(0) if g_rows is not None and has_bias else None)
+        grad_x = x.new_empty(B, Ts, D)
         for off, size, out, work in scatters:
             work.wait()
             grad_x[:, off : off + size] = out
@@ -155,18 +172,22 @@ class _MatmulReduceScatter(torch.autograd.Function):
             )
         Ts, D = T // tp, weights[0].shape[0]
         spans = _spans(Ts, chunks)
-        by_rank = [_by_rank(x, tp) for x in xs]
+        by_pos = [_by_position(x.contiguous(), tp) for x in xs]
         scatters = []
         for off, size in spans:
-            part = sum(x[:, :, off : off + size] @ w.t() for x, w in zip(by_rank, weights))
-            assert isinstance(part, torch.Tensor)
+            part = sum(x[:, :, off : off + size] @ w.t() for x, w in zip(by_pos, weights))
+            assert isinstance(part, torch.Tensor)  # (B, tp, size, D)
             out = xs[0].new_empty(B, size, D)
-            work = reduce_scatter_flat(out, part.contiguous().flatten(0, 1), group=group, async_op=True)
+            work = reduce_scatter_flat(out, _rank_major(part), group=group, async_op=True)
             scatters.append((off, size, out, work))  # the next piece's GEMM overlaps this reduce-scatter
-        y = xs[0].new_empty(B, Ts, D)
-        for off, size, out, work in scatters:
-            work.wait()
-            y[:, off : off + size] = out
+        if len(scatters) == 1:
+            scatters[0][3].wait()
+            y = scatters[0][2]
+        else:
+            y = xs[0].new_empty(B, Ts, D)
+            for off, size, out, work in scatters:
+                work.wait()
+                y[:, off : off + size] = out
         ctx.save_for_backward(*xs, *weights)
         ctx.group, ctx.spans, ctx.n = group, spans, n
         return y
@@ -178,8 +199,8 @@ class _MatmulReduceScatter(torch.autograd.Function):
         group, spans = ctx.group, ctx.spans
         tp = dist.get_world_size(group)
         B, Ts, D = grad_y.shape
-        g_all = grad_y.new_empty(tp, B, Ts, D)
-        grad_xs = [x.new_empty(B, tp, Ts, x.shape[-1]) for x in xs]
+        g_all = grad_y.new_empty(B, tp, Ts, D)  # the full output gradient, in sequence order
+        grad_xs = [x.new_empty(B, tp * Ts, x.shape[-1]) for x in xs]
         pending = _start_gather(grad_y[:, : spans[0][1]], tp, group)
         for c, (off, size) in enumerate(spans):
             buf, work = pending
@@ -187,13 +208,13 @@ class _MatmulReduceScatter(torch.autograd.Function):
             if c + 1 < len(spans):
                 nxt_off, nxt_size = spans[c + 1]
                 pending = _start_gather(grad_y[:, nxt_off : nxt_off + nxt_size], tp, group)
-            g = buf.view(tp, B, size, D)
+            g = _position_major(buf, tp)  # (B, tp, size, D)
             g_all[:, :, off : off + size] = g
             for gx, w in zip(grad_xs, weights):
-                gx[:, :, off : off + size] = (g @ w).transpose(0, 1)
+                _by_position(gx, tp)[:, :, off : off + size] = g @ w
         g_rows = g_all.view(-1, D)
-        grad_w = [g_rows.t() @ _by_rank(x, tp).reshape(-1, x.shape[-1]) for x in xs]
-        return None, None, None, *(gx.view(B, tp * Ts, -1) for gx in grad_xs), *grad_w
+        grad_w = [g_rows.t() @ x.reshape(-1, x.shape[-1]) for x in xs]
+        return None, None, None, *grad_xs, *grad_w
 
 
 class _MatmulAllReduce(torch.autograd.Function):
