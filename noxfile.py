@@ -106,7 +106,7 @@ def docs(session: nox.Session) -> None:
 @nox.session
 def demo(session: nox.Session) -> None:
     """The main job: pretrain a small GPT on the embedded default data (the Python standard library)."""
-    _install(session, "packages/megascale-core", "tqdm")
+    _install(session, "packages/megascale-core", "tqdm", "numpy")  # numpy: torch warns at import without it
     session.run("python", "examples/pretrain.py", *session.posargs)
 
 
