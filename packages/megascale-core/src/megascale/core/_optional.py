@@ -11,7 +11,17 @@ import os
 from functools import cache
 from types import ModuleType
 
-__all__ = ["apex_norms", "apex_optimizers", "flash_attn", "missing_reason", "triton", "triton_interpreted"]
+import torch
+
+__all__ = [
+    "apex_norms",
+    "apex_norms_unavailable",
+    "apex_optimizers",
+    "flash_attn",
+    "missing_reason",
+    "triton",
+    "triton_interpreted",
+]
 
 _INSTALL_HINTS = {
     "flash_attn": "pip install 'megascale-core[flash]' (needs a CUDA build of torch)",
@@ -54,6 +64,15 @@ def apex_norms() -> ModuleType | None:
 def apex_optimizers() -> ModuleType | None:
     """apex.optimizers (FusedLAMB) with amp_C, the compiled multi-tensor extension it needs, or None."""
     return _probe("apex.optimizers", "amp_C")
+
+
+def apex_norms_unavailable(device: torch.device) -> str | None:
+    """Why apex's fused norms cannot run on ``device`` (None when they can): the kernel registry's check."""
+    if device.type != "cuda":
+        return "apex fused norms run on CUDA only"
+    if apex_norms() is None:
+        return missing_reason("apex.normalization.fused_layer_norm")
+    return None
 
 
 def triton() -> ModuleType | None:

@@ -18,15 +18,7 @@ __all__ = ["layer_norm"]
 layer_norm = get_kernel("layer_norm")
 
 
-def _apex_unavailable(device: torch.device) -> str | None:
-    if device.type != "cuda":
-        return "apex fused norms run on CUDA only"
-    if _optional.apex_norms() is None:
-        return _optional.missing_reason("apex.normalization.fused_layer_norm")
-    return None
-
-
-@layer_norm.register("apex", _apex_unavailable)
+@layer_norm.register("apex", _optional.apex_norms_unavailable)
 def _apex(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
     fused = _optional.apex_norms()
     assert fused is not None

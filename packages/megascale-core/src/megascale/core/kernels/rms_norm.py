@@ -17,15 +17,7 @@ __all__ = ["rms_norm"]
 rms_norm = get_kernel("rms_norm")
 
 
-def _apex_unavailable(device: torch.device) -> str | None:
-    if device.type != "cuda":
-        return "apex fused norms run on CUDA only"
-    if _optional.apex_norms() is None:
-        return _optional.missing_reason("apex.normalization.fused_layer_norm")
-    return None
-
-
-@rms_norm.register("apex", _apex_unavailable)
+@rms_norm.register("apex", _optional.apex_norms_unavailable)
 def _apex(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     fused = _optional.apex_norms()
     assert fused is not None

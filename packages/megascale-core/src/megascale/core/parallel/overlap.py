@@ -20,6 +20,8 @@ and MLP outputs of a parallel block): one collective serves all of them.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -48,6 +50,21 @@ def _start_gather(piece: torch.Tensor, tp: int, group: ProcessGroup) -> tuple[to
     work = all_gather_flat(buf, piece, group=group, async_op=True)
     assert work is not None
     return buf, work
+
+
+def _gather_in_pieces(
+    x: torch.Tensor, spans: list[tuple[int, int]], tp: int, group: ProcessGroup
+) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """Yield (offset, size, all-gathered piece) for each span of x's sequence dimension; the all-gather of
+    piece c+1 is in flight while the caller computes on piece c."""
+    pending = _start_gather(x[:, spans[0][0] : spans[0][0] + spans[0][1]], tp, group)
+    for c, (off, size) in enumerate(spans):
+        buf, work = pending
+        work.wait()
+        if c + 1 < len(spans):
+            nxt_off, nxt_size = spans[c + 1]
+            pending = _start_gather(x[:, nxt_off : nxt_off + nxt_size], tp, group)
+        yield off, size, buf
 
 
 def _by_position(x: torch.Tensor, tp: int) -> torch.Tensor:
@@ -86,13 +103,7 @@ class _AllGatherMatmul(torch.autograd.Function):
             outs = [F.linear(rows, w, b) for w, b in zip(weights, biases)]
         else:
             outs = [x.new_empty(B, tp * Ts, w.shape[0]) for w in weights]
-            pending = _start_gather(x[:, : spans[0][1]], tp, group)
-            for c, (off, size) in enumerate(spans):
-                buf, work = pending
-                work.wait()
-                if c + 1 < len(spans):
-                    nxt_off, nxt_size = spans[c + 1]
-                    pending = _start_gather(x[:, nxt_off : nxt_off + nxt_size], tp, group)
+            for off, size, buf in _gather_in_pieces(x, spans, tp, group):
                 rows = _position_major(buf, tp)  # (B, tp, size, D)
                 for out, w, b in zip(outs, weights, biases):
                     _by_position(out, tp)[:, :, off : off + size] = F.linear(rows, w, b)
@@ -201,13 +212,7 @@ class _MatmulReduceScatter(torch.autograd.Function):
         B, Ts, D = grad_y.shape
         g_all = grad_y.new_empty(B, tp, Ts, D)  # the full output gradient, in sequence order
         grad_xs = [x.new_empty(B, tp * Ts, x.shape[-1]) for x in xs]
-        pending = _start_gather(grad_y[:, : spans[0][1]], tp, group)
-        for c, (off, size) in enumerate(spans):
-            buf, work = pending
-            work.wait()
-            if c + 1 < len(spans):
-                nxt_off, nxt_size = spans[c + 1]
-                pending = _start_gather(grad_y[:, nxt_off : nxt_off + nxt_size], tp, group)
+        for off, size, buf in _gather_in_pieces(grad_y, spans, tp, group):
             g = _position_major(buf, tp)  # (B, tp, size, D)
             g_all[:, :, off : off + size] = g
             for gx, w in zip(grad_xs, weights):
