@@ -196,3 +196,22 @@ def test_vocab_parallel_cross_entropy_ignores_padding(dtype):
         # bf16 gradients are rounded once from fp32 (8 bits of mantissa: 4e-3 relative, values < 1)
         assert r["grad_err"] <= (1e-6 if dtype == torch.float32 else 4e-3), r
         assert r["grad_dtype"] == dtype
+
+
+def _init_after_sharding(rank: int, world_size: int) -> float:
+    """A model split while still on the meta device, then initialised, holds the shards of the full init."""
+    mesh = init_device_mesh("cpu", (world_size,))
+    cfg = GPTConfig(**BASE, n_heads=4, tie_embeddings=True, bias=True)
+    full = GPT(cfg)
+    full.init_weights(seed=11)
+    with torch.device("meta"):
+        lazy = GPT(cfg)
+    apply_tensor_parallel(lazy, mesh)
+    lazy.to_empty(device="cpu")
+    lazy.init_weights(seed=11)
+    expected = dict(full.named_parameters())
+    return max((p.full_tensor() - expected[n]).abs().max().item() for n, p in lazy.named_parameters())
+
+
+def test_initialising_a_sharded_model_matches_the_unsharded_init():
+    assert run_distributed(_init_after_sharding, 2) == [0.0, 0.0]

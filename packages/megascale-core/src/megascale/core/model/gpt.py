@@ -8,15 +8,18 @@ stay the same when a pipeline stage keeps only some of them.
 from __future__ import annotations
 
 import math
+import zlib
+from typing import cast
 
 import torch
 from torch import nn
 
 from megascale.core import kernels
+from megascale.core._dtensor import is_dtensor, local
 from megascale.core.config import GPTConfig
 from megascale.core.model.block import make_block
-from megascale.core.model.linear import FanInLinear, FanOutLinear, Projection
-from megascale.core.model.norm import make_norm
+from megascale.core.model.linear import FanInLinear, FanOutLinear
+from megascale.core.model.norm import LayerNorm, RMSNorm, make_norm
 from megascale.core.model.rope import RotaryEmbedding
 
 __all__ = ["GPT", "LMHead", "NextTokenLoss", "TokenEmbedding", "flops_per_token"]
@@ -110,24 +113,30 @@ class GPT(nn.Module):
         return logits if targets is None else self.loss_fn(logits, targets)
 
     @torch.no_grad()
-    def init_weights(self) -> None:
-        """Normal(0, init_std) weights; output projections scaled by 1/sqrt(2·n_layers) (GPT-2); biases 0."""
-        std = self.config.init_std
-        for name, module in self.named_modules():
-            if isinstance(module, (FanOutLinear, FanInLinear)):
-                scale = 1 / math.sqrt(2 * self.config.n_layers) if isinstance(module, FanInLinear) else 1.0
-                for proj in module.values():
-                    assert isinstance(proj, Projection)
-                    if proj.weight is not self.embed.weight:
-                        nn.init.normal_(proj.weight, mean=0.0, std=std * scale)
-                    if proj.bias is not None:
-                        nn.init.zeros_(proj.bias)
-                if isinstance(module, FanInLinear) and module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, TokenEmbedding):
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-            elif hasattr(module, "reset_parameters") and name:
-                module.reset_parameters()
+    def init_weights(self, seed: int | None = None) -> None:
+        """Normal(0, init_std) weights, output projections scaled by 1/sqrt(2·n_layers) (GPT-2), biases 0,
+        norm weights 1; rotary tables recomputed.
+
+        Every parameter draws from its own generator, seeded by ``seed`` and its name, so the values do not
+        depend on the layout: a tensor-parallel shard, a pipeline stage holding some layers, or the whole
+        model on one process all get the same numbers for the same seed. ``seed=None`` draws the seed from
+        the global RNG, so ``torch.manual_seed`` decides as usual.
+        """
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (), dtype=torch.int64).item())
+        std, out_scale = self.config.init_std, 1 / math.sqrt(2 * self.config.n_layers)
+        for prefix, module in self.named_modules():
+            for name, param in module.named_parameters(prefix=prefix, recurse=False):
+                if param is self.embed.weight and module is not self.embed:
+                    continue  # a tied output projection: initialised as the embedding
+                if isinstance(module, (RMSNorm, LayerNorm)):
+                    _fill_(param, 1.0 if name.endswith("weight") else 0.0)
+                elif name.endswith("bias"):
+                    _fill_(param, 0.0)
+                else:
+                    scaled = isinstance(self.get_submodule(prefix.rpartition(".")[0]), FanInLinear)
+                    _normal_(param, std * (out_scale if scaled else 1.0), name, seed)
+        self.rope.reset_parameters()
 
     def num_parameters(self, exclude_embedding: bool = False) -> int:
         """Parameters counted once (tied weights once); sharded parameters at their full size."""
@@ -139,6 +148,25 @@ class GPT(nn.Module):
             seen.add(id(p))
             total += p.numel()
         return total
+
+
+def _normal_(param: torch.Tensor, std: float, name: str, seed: int) -> None:
+    """Fill ``param`` (or its shard) with the values N(0, std) gives the whole tensor under (seed, name)."""
+    target = local(param)
+    gen = torch.Generator(device=target.device).manual_seed((seed + zlib.crc32(name.encode())) % 2**63)
+    if not is_dtensor(param):
+        target.normal_(0.0, std, generator=gen)
+        return
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    dt = cast(DTensor, param)
+    full = torch.empty(dt.shape, dtype=target.dtype, device=target.device).normal_(0.0, std, generator=gen)
+    # src_data_rank=None: every rank holds the same full tensor and keeps its own slice, no communication
+    target.copy_(distribute_tensor(full, dt.device_mesh, dt.placements, src_data_rank=None).to_local())
+
+
+def _fill_(param: torch.Tensor, value: float) -> None:
+    local(param).fill_(value)
 
 
 def flops_per_token(config: GPTConfig, seq_len: int) -> float:

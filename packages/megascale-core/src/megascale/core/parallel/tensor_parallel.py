@@ -25,7 +25,6 @@ on replicated activations matches across ranks; on sequence shards each rank mas
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import overload
 
 import torch
 import torch.distributed as dist
@@ -34,6 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
 from megascale.core import kernels
+from megascale.core._dtensor import local
 from megascale.core.model.gpt import GPT, NextTokenLoss, TokenEmbedding
 from megascale.core.model.linear import FanInLinear, FanOutLinear
 from megascale.core.model.norm import LayerNorm, RMSNorm
@@ -55,15 +55,6 @@ __all__ = [
     "apply_tensor_parallel",
     "local",
 ]
-
-
-@overload
-def local(t: torch.Tensor) -> torch.Tensor: ...
-@overload
-def local(t: None) -> None: ...
-def local(t: torch.Tensor | None) -> torch.Tensor | None:
-    """The local shard of a DTensor parameter (differentiable); plain tensors pass through."""
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class _Distributor:
