@@ -11,6 +11,10 @@ Row-parallel (input split by features, output reduced):
 Without sequence parallelism the column-parallel input is replicated: its backward all-reduce runs
 asynchronously under the weight-gradient GEMMs (Megatron's async grad all-reduce).
 
+Under autocast (bf16-mixed) the functions cast their inputs and weights to autocast's dtype themselves, so
+activations travel in bf16 and backward (which runs outside autocast) sees consistent dtypes; weight
+gradients come back in bf16 and autograd accumulates them into the fp32 parameters' gradients.
+
 ``chunks=1`` is the plain, unoverlapped computation through the same code, so on/off give equal results.
 Pieces are taken from each rank's sequence shard, so piece c of every rank forms one collective and the
 result lands in place; rows are only regrouped, never reordered within a GEMM's dot products.
@@ -20,7 +24,8 @@ and MLP outputs of a parallel block): one collective serves all of them.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,6 +35,16 @@ from torch.distributed import ProcessGroup
 from megascale.core.parallel.tp_comm import all_gather_flat, reduce_scatter_flat
 
 __all__ = ["column_parallel_matmul", "row_parallel_matmul"]
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the GEMMs run in: autocast's (bf16-mixed training) when it is on, else the input's."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
+def _cast(tensors: Sequence[Any], dtype: torch.dtype) -> tuple[Any, ...]:
+    return tuple(None if t is None else t.to(dtype) for t in tensors)
 
 
 def _spans(length: int, chunks: int) -> list[tuple[int, int]]:
@@ -92,7 +107,8 @@ def _position_major(gathered: torch.Tensor, tp: int) -> torch.Tensor:
 class _AllGatherMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, chunks, n, *params):
-        weights, biases = params[:n], params[n:]
+        dtype = _compute_dtype(x)
+        x, weights, biases = x.to(dtype), _cast(params[:n], dtype), _cast(params[n:], dtype)
         tp = dist.get_world_size(group)
         B, Ts, D = x.shape
         spans = _spans(Ts, chunks)
@@ -107,13 +123,14 @@ class _AllGatherMatmul(torch.autograd.Function):
                 rows = _position_major(buf, tp)  # (B, tp, size, D)
                 for out, w, b in zip(outs, weights, biases):
                     _by_position(out, tp)[:, :, off : off + size] = F.linear(rows, w, b)
-        ctx.save_for_backward(x, *weights)
+        ctx.save_for_backward(x, *params[:n])
         ctx.group, ctx.spans, ctx.has_bias = group, spans, [b is not None for b in biases]
         return tuple(outs)
 
     @staticmethod
     def backward(ctx, *grads):
         x, *weights = ctx.saved_tensors
+        weights, grads = _cast(weights, x.dtype), _cast(grads, x.dtype)
         group, spans = ctx.group, ctx.spans
         tp = dist.get_world_size(group)
         B, Ts, D = x.shape
@@ -145,14 +162,16 @@ class _AllGatherMatmul(torch.autograd.Function):
 class _CopyMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, overlap, n, *params):
-        weights, biases = params[:n], params[n:]
-        ctx.save_for_backward(x, *weights)
+        dtype = _compute_dtype(x)
+        x, weights, biases = x.to(dtype), _cast(params[:n], dtype), _cast(params[n:], dtype)
+        ctx.save_for_backward(x, *params[:n])
         ctx.group, ctx.overlap, ctx.has_bias = group, overlap, [b is not None for b in biases]
         return tuple(F.linear(x, w, b) for w, b in zip(weights, biases))
 
     @staticmethod
     def backward(ctx, *grads):
         x, *weights = ctx.saved_tensors
+        weights, grads = _cast(weights, x.dtype), _cast(grads, x.dtype)
         live = [(g, w) for g, w in zip(grads, weights) if g is not None]
         grad_x = sum(g @ w for g, w in live)
         grad_x = grad_x if isinstance(grad_x, torch.Tensor) else torch.zeros_like(x)
@@ -173,7 +192,8 @@ class _CopyMatmul(torch.autograd.Function):
 class _MatmulReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, group, chunks, n, *params):
-        xs, weights = params[:n], params[n:]
+        dtype = _compute_dtype(params[0])
+        xs, weights = _cast(params[:n], dtype), _cast(params[n:], dtype)
         tp = dist.get_world_size(group)
         B, T = xs[0].shape[:2]
         if T % tp:
@@ -199,14 +219,15 @@ class _MatmulReduceScatter(torch.autograd.Function):
             for off, size, out, work in scatters:
                 work.wait()
                 y[:, off : off + size] = out
-        ctx.save_for_backward(*xs, *weights)
+        ctx.save_for_backward(*xs, *params[n:])
         ctx.group, ctx.spans, ctx.n = group, spans, n
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
         saved = ctx.saved_tensors
-        xs, weights = saved[: ctx.n], saved[ctx.n :]
+        xs, weights = saved[: ctx.n], _cast(saved[ctx.n :], saved[0].dtype)
+        grad_y = grad_y.to(saved[0].dtype)
         group, spans = ctx.group, ctx.spans
         tp = dist.get_world_size(group)
         B, Ts, D = grad_y.shape
@@ -225,7 +246,8 @@ class _MatmulReduceScatter(torch.autograd.Function):
 class _MatmulAllReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, group, chunks, n, *params):
-        xs, weights = params[:n], params[n:]
+        dtype = _compute_dtype(params[0])
+        xs, weights = _cast(params[:n], dtype), _cast(params[n:], dtype)
         spans = _spans(xs[0].shape[1], chunks)
         reduces = []
         for off, size in spans:
@@ -235,14 +257,15 @@ class _MatmulAllReduce(torch.autograd.Function):
             reduces.append((part, dist.all_reduce(part, group=group, async_op=True)))
         for _, work in reduces:
             work.wait()
-        ctx.save_for_backward(*xs, *weights)
+        ctx.save_for_backward(*xs, *params[n:])
         ctx.n = n
         return torch.cat([part for part, _ in reduces], dim=1)
 
     @staticmethod
     def backward(ctx, grad_y):
         saved = ctx.saved_tensors
-        xs, weights = saved[: ctx.n], saved[ctx.n :]
+        xs, weights = saved[: ctx.n], _cast(saved[ctx.n :], saved[0].dtype)
+        grad_y = grad_y.to(saved[0].dtype)
         g_rows = grad_y.reshape(-1, grad_y.shape[-1])
         grad_xs = [grad_y @ w for w in weights]
         grad_w = [g_rows.t() @ x.reshape(-1, x.shape[-1]) for x in xs]

@@ -1,0 +1,73 @@
+"""ParallelDims: the sizes of each parallelism, validated, and the one named DeviceMesh they form.
+
+Mesh dimensions, outermost first: ("dp", "pp", "tp").
+- tp innermost: consecutive ranks — one node's GPUs on NVLink — form a tensor-parallel group, because TP
+  communicates inside every layer (all-gather / reduce-scatter per block, forward and backward).
+- pp next: a pipeline (pp × tp ranks) is a contiguous block of ranks, i.e. whole nodes; stages exchange only
+  activations between neighbours, point to point.
+- dp outermost: data-parallel replicas communicate once per step (gradient reduction, overlapped with
+  backward), which tolerates the slowest, inter-node links.
+Rank r sits at (dp, pp, tp) = (r // (pp·tp), (r // tp) % pp, r % tp).
+
+There is no module-level parallel state: the strategy builds one ParallelDims and passes its (sub-)meshes to
+the ``apply_*`` functions explicitly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+__all__ = ["MESH_DIMS", "ParallelDims"]
+
+MESH_DIMS = ("dp", "pp", "tp")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Data-, pipeline- and tensor-parallel sizes whose product is the world size."""
+
+    dp: int
+    pp: int
+    tp: int
+
+    def __post_init__(self) -> None:
+        for name in MESH_DIMS:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+
+    @classmethod
+    def infer(cls, world_size: int, *, tp: int = 1, pp: int = 1, dp: int | None = None) -> ParallelDims:
+        """Sizes for ``world_size`` ranks; ``dp`` defaults to world_size / (tp·pp). Raises ValueError, naming
+        the numbers and what to change, when they do not fit — before any process group exists."""
+        for name, value in (("tp", tp), ("pp", pp), ("world size", world_size)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        if world_size % (tp * pp):
+            fitting = [t for t in range(1, world_size + 1) if world_size % (t * pp) == 0]
+            raise ValueError(
+                f"the world size {world_size} is not divisible by tp·pp = {tp}·{pp} = {tp * pp}: each "
+                f"data-parallel replica needs tp·pp ranks. With pp={pp}, tp can be one of {fitting}; or change "
+                f"the number of devices/nodes to a multiple of {tp * pp}."
+            )
+        inferred = world_size // (tp * pp)
+        if dp is not None and dp != inferred:
+            raise ValueError(
+                f"dp={dp} × pp={pp} × tp={tp} = {dp * pp * tp} does not match the world size {world_size}; "
+                f"leave dp unset to infer it ({inferred})"
+            )
+        return cls(dp=inferred, pp=pp, tp=tp)
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.pp * self.tp
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """(dp, pp, tp) position of a global rank."""
+        return {"dp": rank // (self.pp * self.tp), "pp": (rank // self.tp) % self.pp, "tp": rank % self.tp}
+
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        """The 3-D mesh named ("dp", "pp", "tp") over the default process group."""
+        return init_device_mesh(device_type, (self.dp, self.pp, self.tp), mesh_dim_names=MESH_DIMS)
