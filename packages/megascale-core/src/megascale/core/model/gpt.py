@@ -69,7 +69,8 @@ class GPT(nn.Module):
     """A decoder-only transformer. ``GPT(config)(tokens)`` gives logits; with ``targets`` it gives the loss.
 
     Built on the meta device (``with torch.device("meta")``), it allocates nothing; ``to_empty`` and
-    ``init_weights`` then give exactly the weights a direct build gives under the same seed.
+    ``init_weights`` then give exactly the weights a direct build gives under the same seed, also after the
+    model was split (tensor parallel, pipeline stages, FSDP).
     """
 
     def __init__(self, config: GPTConfig) -> None:
@@ -83,6 +84,9 @@ class GPT(nn.Module):
         self.head = LMHead(config)
         self.loss_fn = NextTokenLoss(config)
         self._tie_weights()
+        # Drawn now, used whenever the weights are materialised: a model built on the meta device and
+        # initialised later (after it was split) gets the weights a direct build gets.
+        self.init_seed = int(torch.randint(0, 2**62, (), dtype=torch.int64, device="cpu").item())
         if self.embed.weight.device.type != "meta":
             self.init_weights()
 
@@ -120,10 +124,12 @@ class GPT(nn.Module):
         Every parameter draws from its own generator, seeded by ``seed`` and its name, so the values do not
         depend on the layout: a tensor-parallel shard, a pipeline stage holding some layers, or the whole
         model on one process all get the same numbers for the same seed. ``seed=None`` draws the seed from
-        the global RNG, so ``torch.manual_seed`` decides as usual.
+        ``init_seed``, drawn from the global RNG when the model was built (so ``torch.manual_seed`` decides as
+        usual); a given seed replaces it.
         """
         if seed is None:
-            seed = int(torch.randint(0, 2**62, (), dtype=torch.int64).item())
+            seed = self.init_seed
+        self.init_seed = seed
         std, out_scale = self.config.init_std, 1 / math.sqrt(2 * self.config.n_layers)
         for prefix, module in self.named_modules():
             for name, param in module.named_parameters(prefix=prefix, recurse=False):
