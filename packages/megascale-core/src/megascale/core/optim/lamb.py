@@ -21,8 +21,9 @@
 # values, so summing there would count them several times. (That scales ‖w‖ and ‖u‖ by the same factor and
 # leaves r unchanged, so it would be wasted traffic rather than a wrong result.)
 # Communication is batched: all sharded tensors' squared norms of a step (all parameter groups) go in one
-# tensor, and there is one all-reduce per distinct (mesh, mesh dimension) that some tensor is sharded on,
-# e.g. one per step on a 1-D TP or FSDP mesh, two on a 2-D mesh with tensors sharded on both dimensions.
+# tensor, and there is one all-reduce per distinct mesh dimension (its process group) that some tensor is
+# sharded on, e.g. one per step on a 1-D TP or FSDP mesh, two on a 2-D mesh with tensors sharded on both
+# dimensions. The reduction is `all_reduce_over_shards` in parallel/grad_norm.py, shared with clipping.
 # Plain tensors are taken to be whole (unsharded) and cost no communication. Like any SPMD code, every rank
 # must step the same parameters (same grads present) in the same order.
 #
@@ -50,11 +51,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch.optim.optimizer import Optimizer, ParamsT  # ParamsT at run time: jsonargparse reads the signature
 
 from megascale.core import _optional
+from megascale.core.parallel.grad_norm import all_reduce_over_shards
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -191,32 +192,19 @@ def _indices_by_device(tensors: list[Tensor]) -> dict[torch.device, list[int]]:
 def _reduce_sharded_norms(works: list[_GroupWork]) -> None:
     """Turn the local norms of sharded tensors into norms of the whole tensors, in place.
 
-    One all-reduce per (device, mesh, mesh dimension): summing squares over one sharded mesh dimension and
-    then over the next gives the sum over all shards, so tensors sharded on several dimensions just take
-    part in several of the reductions.
+    Per device, the squares of all sharded tensors' ‖w‖ and ‖u‖ go in one vector, reduced by
+    ``all_reduce_over_shards`` (shared with gradient clipping): one all-reduce per mesh dimension's process
+    group that some tensor is sharded on; a tensor sharded on several dimensions takes part in several.
     """
     members = [(work, i) for work in works for i, spec in enumerate(work.specs) if spec is not None]
     by_device: dict[torch.device, list[tuple[_GroupWork, int]]] = {}
     for work, i in members:
         by_device.setdefault(work.w_norms[i].device, []).append((work, i))
-    for device, items in by_device.items():
+    for items in by_device.values():
         n = len(items)
         squares = torch.stack([w.w_norms[i] for w, i in items] + [w.u_norms[i] for w, i in items]).square()
-        positions: dict[tuple[DeviceMesh, int], list[int]] = {}
-        for k, (work, i) in enumerate(items):
-            mesh, dims = work.specs[i]  # type: ignore[misc]
-            for d in dims:
-                positions.setdefault((mesh, d), []).append(k)
-        for (mesh, d), ks in positions.items():
-            group = mesh.get_group(d)
-            if len(ks) == n:
-                dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=group)
-            else:
-                index = torch.tensor(ks + [k + n for k in ks], device=device)
-                part = squares.index_select(0, index)
-                dist.all_reduce(part, op=dist.ReduceOp.SUM, group=group)
-                squares.index_copy_(0, index, part)
-        norms = squares.sqrt().unbind()
+        specs = [w.specs[i] for w, i in items]
+        norms = all_reduce_over_shards(squares, specs + specs).sqrt().unbind()
         for k, (work, i) in enumerate(items):
             work.w_norms[i] = norms[k]
             work.u_norms[i] = norms[n + k]

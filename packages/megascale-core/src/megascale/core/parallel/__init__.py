@@ -5,6 +5,7 @@ from megascale.core.parallel.activation_checkpoint import (
     apply_activation_checkpointing,
 )
 from megascale.core.parallel.cross_entropy import vocab_parallel_cross_entropy
+from megascale.core.parallel.grad_norm import all_reduce_over_shards, clip_grad_norm_, grad_norm
 from megascale.core.parallel.overlap import column_parallel_matmul, row_parallel_matmul
 from megascale.core.parallel.tensor_parallel import (
     ColumnParallelLinear,
@@ -31,11 +32,14 @@ __all__ = [
     "TensorParallelRMSNorm",
     "VocabParallelCrossEntropy",
     "VocabParallelEmbedding",
+    "all_reduce_over_shards",
     "apply_activation_checkpointing",
     "apply_tensor_parallel",
+    "clip_grad_norm_",
     "column_parallel_matmul",
     "copy_to_tp_region",
     "gather_from_sp_region",
+    "grad_norm",
     "local",
     "reduce_from_tp_region",
     "reduce_scatter_to_sp_region",
