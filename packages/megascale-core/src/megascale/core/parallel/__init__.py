@@ -5,6 +5,7 @@ from megascale.core.parallel.activation_checkpoint import (
     apply_activation_checkpointing,
 )
 from megascale.core.parallel.cross_entropy import vocab_parallel_cross_entropy
+from megascale.core.parallel.data_parallel import BucketedGradReduce
 from megascale.core.parallel.grad_norm import all_reduce_over_shards, clip_grad_norm_, grad_norm
 from megascale.core.parallel.overlap import column_parallel_matmul, row_parallel_matmul
 from megascale.core.parallel.tensor_parallel import (
@@ -23,10 +24,13 @@ from megascale.core.parallel.tp_comm import (
     reduce_from_tp_region,
     reduce_scatter_to_sp_region,
 )
+from megascale.core.parallel.zero import OptimizerStateSharding
 
 __all__ = [
     "ActivationCheckpointMode",
+    "BucketedGradReduce",
     "ColumnParallelLinear",
+    "OptimizerStateSharding",
     "RowParallelLinear",
     "TensorParallelLayerNorm",
     "TensorParallelRMSNorm",

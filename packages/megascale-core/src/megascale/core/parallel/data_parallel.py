@@ -1,0 +1,226 @@
+# Data-parallel gradient averaging (ZeRO stage 0) for plain and DTensor parameters, overlapped with backward.
+#
+# Why this exists: torch's DistributedDataParallel cannot take DTensor parameters (our tensor-parallel GPT
+# has nothing else: Shard for split weights, Replicate for norms), and FSDP2 is ZeRO-3, not plain data
+# parallelism. What DDP does for plain tensors is what Megatron-LM calls overlap_grad_reduce: gradients are
+# grouped into buckets, and each bucket is all-reduced over the data-parallel group as soon as backward has
+# produced all of its gradients, while backward goes on computing the earlier layers' gradients.
+#
+# Mechanism. Parameters are bucketed in reverse order of the sequence given (model.parameters() runs from
+# the embedding to the head; backward produces gradients roughly from the head back), up to bucket_size_mb
+# of reduce_dtype per bucket; a larger parameter gets a bucket of its own. A post-accumulate-grad hook on each
+# parameter marks it ready; when a bucket is complete its gradients are copied into one flat buffer (the
+# LOCAL tensor of a DTensor gradient: across the data-parallel group every rank holds the same slice, since
+# data-parallel ranks share their tensor-parallel coordinate) and an asynchronous all-reduce (SUM) starts.
+# finish(), after backward, launches what is left, waits, divides by the group size and copies the averages
+# back into the gradients, in the gradients' dtype (so bf16 gradients summed in fp32 are rounded once).
+#
+# Same collectives, same order, on every rank: gloo and NCCL match collectives by issue order, so every
+# rank must issue the same all-reduces in the same order. Buckets are therefore launched strictly in bucket
+# order: a complete bucket waits until all earlier buckets have been launched (as DDP does). For one graph
+# the autograd engine fires the hooks in the same order on every rank, so in practice bucket i completes
+# before bucket i+1 everywhere, but the launch order does not depend on that; only the timing does. A
+# parameter that got no gradient this step (unused in this forward, on some or all ranks) blocks its bucket
+# until finish(), which gives it a zero gradient and launches every remaining bucket in order, so no rank
+# skips a collective the others issue and nothing hangs.
+#
+# Not done (DDP's gradient_as_bucket_view): gradients are copied into the flat buffer and back rather than
+# living in it, which costs one bucket-sized buffer per in-flight bucket and two copies, and leaves the
+# gradients ordinary tensors that optimizers, clipping and FSDP-style code can hold as they like.
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from megascale.core._dtensor import local
+
+__all__ = ["BucketedGradReduce"]
+
+_MIB = 1024 * 1024
+
+
+@dataclass
+class _Bucket:
+    params: list[nn.Parameter]
+    dtype: torch.dtype  # of the flat buffer
+    device: torch.device
+    numel: int
+    ready: int = 0
+    flat: Tensor | None = None
+    work: Any = None  # the async all-reduce's handle once launched
+    offsets: list[int] = field(default_factory=list)
+
+
+class BucketedGradReduce:
+    """Average gradients over a data-parallel group in buckets, overlapping the all-reduces with backward.
+
+    The ZeRO stage 0 of this project (DDP's job) for models whose parameters are DTensors (tensor parallel)
+    and/or plain tensors. Use::
+
+        reducer = BucketedGradReduce(list(model.parameters()), dp_group)
+        for micro_batch in accumulation[:-1]:
+            with reducer.no_sync():
+                model(micro_batch).backward()
+        model(accumulation[-1]).backward()  # buckets are all-reduced as their gradients appear
+        reducer.finish()                    # every p.grad is now the average over the group
+        optimizer.step()
+
+    Every rank of ``group`` must construct it with the same parameters in the same order (shapes of the
+    local tensors equal across the group).
+
+    Args:
+        params: the parameters whose gradients to average; those without ``requires_grad`` are ignored,
+            and one listed twice (tied weights) counts once.
+        group: the data-parallel process group.
+        bucket_size_mb: most MiB (of ``reduce_dtype``) per bucket; a larger parameter gets a bucket alone.
+        overlap: launch each bucket's all-reduce from backward as soon as it is complete (True), or
+            reduce every bucket in ``finish()`` (False).
+        reduce_dtype: dtype of the sum; None for the gradients' own dtype. The fp32 default keeps bf16
+            gradients from losing precision in the sum.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        group: dist.ProcessGroup,
+        *,
+        bucket_size_mb: float = 25.0,
+        overlap: bool = True,
+        reduce_dtype: torch.dtype | None = torch.float32,
+    ) -> None:
+        if bucket_size_mb <= 0:
+            raise ValueError(f"bucket_size_mb must be > 0, got {bucket_size_mb}")
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.overlap = overlap
+        self.reduce_dtype = reduce_dtype
+        self._sync = True
+        self._next_launch = 0
+        seen: set[int] = set()
+        unique = []
+        for p in params:
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                unique.append(p)
+        self.buckets = self._make_buckets(unique[::-1], int(bucket_size_mb * _MIB))
+        self._bucket_of: dict[int, int] = {
+            id(p): b for b, bucket in enumerate(self.buckets) for p in bucket.params
+        }
+        self._ready: set[int] = set()
+        self._handles: list[Any] = []
+        if overlap:
+            self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in unique]
+
+    def _make_buckets(self, params: list[nn.Parameter], capacity: int) -> list[_Bucket]:
+        buckets: list[_Bucket] = []
+        for p in params:
+            # Sizes of the local tensor (a DTensor's shard): what is actually reduced.
+            shard = local(p.detach())
+            dtype = self.reduce_dtype or p.dtype
+            last = buckets[-1] if buckets else None
+            fits = (
+                last is not None
+                and last.dtype == dtype
+                and last.device == shard.device
+                and (last.numel + shard.numel()) * dtype.itemsize <= capacity
+            )
+            if not fits:  # a parameter larger than capacity gets a bucket of its own
+                last = _Bucket([], dtype, shard.device, 0)
+                buckets.append(last)
+            assert last is not None
+            last.offsets.append(last.numel)
+            last.params.append(p)
+            last.numel += shard.numel()
+        return buckets
+
+    # ---- backward side ----------------------------------------------------------------------------------
+
+    def _on_grad(self, p: Tensor) -> None:
+        if not self._sync:
+            return  # accumulating locally (no_sync): the last backward reduces the sums
+        b = self._bucket_of[id(p)]
+        bucket = self.buckets[b]
+        if bucket.work is not None or id(p) in self._ready:
+            raise RuntimeError(
+                "a gradient arrived for a parameter whose bucket was already reduced or marked ready: call "
+                "finish() after each synchronised backward, and run all but the last backward of an "
+                "accumulation inside no_sync()"
+            )
+        self._ready.add(id(p))
+        bucket.ready += 1
+        if bucket.ready == len(bucket.params):
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        # Strictly in bucket order: every rank issues the same all-reduces in the same order (header).
+        while self._next_launch < len(self.buckets):
+            bucket = self.buckets[self._next_launch]
+            if bucket.ready < len(bucket.params):
+                return
+            self._launch(bucket)
+            self._next_launch += 1
+
+    @torch.no_grad()
+    def _launch(self, bucket: _Bucket) -> None:
+        flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=bucket.device)
+        for p, offset in zip(bucket.params, bucket.offsets):
+            if p.grad is None:
+                # No gradient this step: it counts as zero, so the average is the other ranks' sum / size.
+                p.grad = torch.zeros_like(p)
+            g = local(p.grad)
+            flat[offset : offset + g.numel()].copy_(g.reshape(-1))
+        bucket.flat = flat
+        bucket.work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """Reduce whatever backward has not, wait, and write the group averages into every ``p.grad``.
+
+        Call after the (last) backward of a step. Parameters without a gradient get a zero one. Inside
+        ``no_sync()`` this does nothing: the gradients stay the local sums.
+        """
+        if not self._sync:
+            return
+        for bucket in self.buckets[self._next_launch :]:
+            self._launch(bucket)
+        try:
+            for bucket in self.buckets:
+                assert bucket.work is not None and bucket.flat is not None
+                bucket.work.wait()
+                bucket.flat.div_(self.world_size)
+                for p, offset in zip(bucket.params, bucket.offsets):
+                    g = local(p.grad)
+                    assert g is not None
+                    g.copy_(bucket.flat[offset : offset + g.numel()].view_as(g))
+        finally:
+            self._reset()
+
+    def _reset(self) -> None:
+        for bucket in self.buckets:
+            bucket.ready, bucket.flat, bucket.work = 0, None, None
+        self._ready.clear()
+        self._next_launch = 0
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward inside this context accumulates gradients locally; the next backward outside it (and
+        its ``finish()``) reduces the accumulated sums, as ``DistributedDataParallel.no_sync`` does."""
+        previous = self._sync
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def remove(self) -> None:
+        """Unregister the gradient hooks (``finish()`` still reduces every bucket if called)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []

@@ -1,0 +1,295 @@
+# ZeRO: sharding the training state over the data-parallel group (Rajbhandari et al. 2020, "ZeRO: Memory
+# Optimizations Toward Training Trillion Parameter Models").
+#
+# Data parallelism keeps a full copy of the training state on every rank: parameters, gradients and the
+# optimizer state (for Adam or LAMB, two more tensors per parameter, often in fp32: the largest part). ZeRO
+# shards these over the dp ranks, in stages:
+#     stage 0  nothing sharded: gradients all-reduced (DDP). Here: data_parallel.BucketedGradReduce, which
+#              unlike DDP takes DTensor (tensor-parallel) parameters.
+#     stage 1  optimizer state sharded: each rank steps only the parameters it owns and sends the results
+#              to the others. Here: OptimizerStateSharding (below).
+#     stage 2  gradients sharded too (reduce-scatter instead of all-reduce), and
+#     stage 3  parameters sharded too (gathered per layer for forward and backward): both are FSDP2
+#              (`fully_shard`; stage 2 is reshard_after_forward=False), set up by the strategy.
+# Each stage below keeps to the same contract: pure torch, works with plain and DTensor (TP) parameters, and
+# leaves the user's torch.optim.Optimizer in place, so LR schedulers and Lightning keep their references.
+#
+# This file: one section per stage that needs code of its own. Add new stages as new sections and names in
+# __all__; shared helpers go above the first section.
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from megascale.core._dtensor import local
+
+__all__ = ["OptimizerStateSharding"]
+
+_MIB = 1024 * 1024
+
+
+def _optimizer_params(optimizer: Optimizer) -> list[Tensor]:
+    """The optimizer's parameters in group order, each once."""
+    seen: set[int] = set()
+    out = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+    return out
+
+
+def _local_nbytes(t: Tensor) -> int:
+    shard = local(t)
+    return shard.numel() * shard.element_size()
+
+
+# ==== stage 1: optimizer state sharding ===================================================================
+#
+# Why this shape. ZeroRedundancyOptimizer (torch's ZeRO-1) builds a second optimizer over each rank's share,
+# which hides the user's optimizer from LR schedulers and Lightning, and it broadcasts whole parameters, which
+# breaks on DTensors. Here the user's optimizer stays as it is. Every parameter has one owner in the dp
+# group; before optimizer.step(), the other ranks drop its gradient (p.grad = None). torch optimizers skip
+# parameters without a gradient and create state only for those they step (AdamW: _init_group skips
+# p.grad None, in the for-loop, foreach and fused paths alike; megascale LAMB: _collect skips them), so each
+# rank holds the state of its own parameters only: ~1/dp of the whole. After the step, owners broadcast
+# their updated parameters, bucketed.
+#
+# Ownership is a function of the ordered parameter list, each parameter's global size and dtype, and the dp
+# size only: greedy, largest first (ties by order), to the least-loaded rank (ties to the lowest). It is not
+# the local size: for a DTensor p.numel() is the global size, equal on every rank even where shards are
+# uneven. Therefore the ranks of one tensor-parallel group, which share their dp rank, own exactly the same
+# parameters. That is what LAMB needs: it all-reduces the trust-ratio norms of the DTensors it steps over
+# their TP mesh, so every rank of that mesh must step the same parameters, in the same order.
+#
+# Communication: the gradients are all-reduced beforehand (stage 0: every rank needs the whole gradient for
+# the global-norm clip anyway), then owners broadcast parameters: 1.5x the traffic of plain data
+# parallelism, the price of keeping the user's optimizer and gradients unchanged. Stage 2 (reduce-scatter,
+# FSDP2) is the way to cut it.
+#
+# Overlap (Megatron's overlap_param_gather): the broadcasts are launched asynchronously, in the order of the
+# parameters (≈ forward order), and the next forward waits for them piecewise: a forward pre-hook on each
+# "unit" module waits for the buckets holding the parameters of its subtree (minus those of nested units) and
+# copies the received values in. Units are modules whose forward reads only parameters of their own
+# subtree. Not every module qualifies: the grouped linears of our GPT (FanOutLinear, ColumnParallelLinear)
+# read their child Projection modules' weights without calling them, so hooks that waited for each module's
+# direct parameters would never wait for those. The default units of a megascale GPT are therefore
+# GPT.layers() (embedding, each block, head), the root model covering everything else.
+
+
+@dataclass
+class _ParamBucket:
+    """Parameters of one owner broadcast together as one flat buffer."""
+
+    owner: int  # rank in the dp group
+    params: list[Tensor]
+    dtype: torch.dtype
+    device: torch.device
+    offsets: list[int] = field(default_factory=list)
+    numel: int = 0
+    first: int = 0  # index of its first parameter in the optimizer's order
+
+
+class OptimizerStateSharding:
+    """ZeRO stage 1 around an existing optimizer: each dp rank keeps the optimizer state of its own share.
+
+    The optimizer is not replaced (LR schedulers, Lightning and checkpoint code keep using it); this object
+    decides who owns which parameter and moves the updated values. A training step::
+
+        loss.backward(); reducer.finish()           # gradients averaged over dp (BucketedGradReduce)
+        clip_grad_norm_(model.parameters(), 1.0)    # needs every gradient: before dropping any
+        zero1.drop_unowned_grads()                  # p.grad = None where another rank owns p
+        optimizer.step()                            # steps (and keeps state for) owned parameters only
+        zero1.broadcast_updated()                   # owners send the new values; the next forward waits
+        optimizer.zero_grad()
+
+    Call ``wait()`` before reading parameters outside a forward of ``module`` (checkpointing, validation
+    that bypasses the model's forward, comparing weights). The optimizer's state dict on each rank holds its
+    own share only.
+
+    Every rank of ``group`` must pass the same optimizer parameters in the same order; tensor-parallel
+    ranks of one dp rank then own the same parameters (see the comment above the class).
+
+    Args:
+        optimizer: any torch optimizer that skips parameters whose ``grad`` is None (all of torch's, LAMB).
+        module: the model; forward pre-hooks on it (and ``units``) wait for the broadcasts.
+        group: the data-parallel process group.
+        overlap_param_gather: launch the broadcasts asynchronously and wait for each unit's parameters just
+            before its forward (True), or wait in ``broadcast_updated()`` (False).
+        bucket_size_mb: most MiB per broadcast bucket (a larger parameter gets one alone).
+        units: modules whose forward pre-hooks wait for their subtree's parameters (minus nested units');
+            each must read only parameters of its own subtree. None: ``module.layers()`` if the module has
+            such a method (a megascale GPT), else ``module`` alone. ``module`` is always a unit.
+    """
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        module: nn.Module,
+        group: dist.ProcessGroup,
+        *,
+        overlap_param_gather: bool = True,
+        bucket_size_mb: float = 25.0,
+        units: Iterable[nn.Module] | None = None,
+    ) -> None:
+        if bucket_size_mb <= 0:
+            raise ValueError(f"bucket_size_mb must be > 0, got {bucket_size_mb}")
+        self.optimizer = optimizer
+        self.module = module
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.overlap_param_gather = overlap_param_gather
+        self.params = _optimizer_params(optimizer)
+        self._owner = self._assign_owners()
+        # Unowned parameters' state (an optimizer stepped before wrapping, a full checkpoint loaded) is freed.
+        for p in self.params:
+            if self._owner[id(p)] != self.rank:
+                optimizer.state.pop(p, None)
+        self.buckets = self._make_buckets(int(bucket_size_mb * _MIB))
+        self._pending: dict[int, tuple[Tensor, Any]] = {}  # bucket index -> (flat buffer, work)
+        if units is None:
+            layers = getattr(module, "layers", None)
+            units = layers() if callable(layers) else []
+        self._handles = self._register_units([module, *units])
+
+    # ---- ownership and buckets --------------------------------------------------------------------------
+
+    def _assign_owners(self) -> dict[int, int]:
+        sizes = [p.numel() * p.element_size() for p in self.params]  # global sizes (see the comment above)
+        loads = [0] * self.world_size
+        owner: dict[int, int] = {}
+        for i in sorted(range(len(self.params)), key=lambda i: (-sizes[i], i)):
+            r = min(range(self.world_size), key=lambda r: (loads[r], r))
+            owner[id(self.params[i])] = r
+            loads[r] += sizes[i]
+        return owner
+
+    def _make_buckets(self, capacity: int) -> list[_ParamBucket]:
+        buckets: list[_ParamBucket] = []
+        for r in range(self.world_size):
+            current: _ParamBucket | None = None
+            for i, p in enumerate(self.params):
+                if self._owner[id(p)] != r:
+                    continue
+                shard = local(p.detach())
+                fits = (
+                    current is not None
+                    and current.dtype == shard.dtype
+                    and current.device == shard.device
+                    and (current.numel + shard.numel()) * shard.element_size() <= capacity
+                )
+                if not fits:
+                    current = _ParamBucket(r, [], shard.dtype, shard.device, first=i)
+                    buckets.append(current)
+                assert current is not None
+                current.offsets.append(current.numel)
+                current.params.append(p)
+                current.numel += shard.numel()
+        # Launch order = order of the first parameter (≈ forward order), identical on every rank.
+        buckets.sort(key=lambda b: b.first)
+        return buckets
+
+    def owner_of(self, p: Tensor) -> int:
+        """The rank (in ``group``) that steps ``p`` and broadcasts its new values."""
+        return self._owner[id(p)]
+
+    def owned_params(self) -> list[Tensor]:
+        """This rank's parameters, in the optimizer's order."""
+        return [p for p in self.params if self._owner[id(p)] == self.rank]
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state tensors held by this rank (local shards of DTensor state)."""
+        return sum(
+            _local_nbytes(v)
+            for state in self.optimizer.state.values()
+            for v in state.values()
+            if isinstance(v, Tensor)
+        )
+
+    # ---- the step ---------------------------------------------------------------------------------------
+
+    def drop_unowned_grads(self) -> None:
+        """``p.grad = None`` for every parameter another rank owns, so ``optimizer.step()`` neither steps
+        them nor creates state for them. Call after the gradients were averaged and clipped."""
+        for p in self.params:
+            if self._owner[id(p)] != self.rank:
+                p.grad = None
+
+    @torch.no_grad()
+    def broadcast_updated(self) -> None:
+        """After ``optimizer.step()``: owners broadcast their updated parameters to the rest of ``group``.
+
+        With ``overlap_param_gather`` the broadcasts run in the background and the next forward waits for
+        each unit's buckets; otherwise this waits for all of them.
+        """
+        self.wait()  # a previous gather that no forward consumed: finish it before sending new values
+        for b, bucket in enumerate(self.buckets):
+            if bucket.owner == self.rank:
+                flat = torch.cat([local(p).reshape(-1) for p in bucket.params])
+            else:
+                flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=bucket.device)
+            work = dist.broadcast(flat, group=self.group, group_src=bucket.owner, async_op=True)
+            self._pending[b] = (flat, work)
+        if not self.overlap_param_gather:
+            self.wait()
+
+    @torch.no_grad()
+    def _complete(self, b: int) -> None:
+        flat, work = self._pending.pop(b)
+        work.wait()
+        bucket = self.buckets[b]
+        if bucket.owner == self.rank:
+            return  # the owner's parameters hold the new values already
+        for p, offset in zip(bucket.params, bucket.offsets):
+            target = local(p)
+            target.copy_(flat[offset : offset + target.numel()].view_as(target))
+
+    def wait(self) -> None:
+        """Finish every pending broadcast, so that all parameters hold their updated values."""
+        for b in sorted(self._pending):
+            self._complete(b)
+
+    # ---- units: forward pre-hooks ------------------------------------------------------------------------
+
+    def _register_units(self, units: list[nn.Module]) -> list[Any]:
+        bucket_of = {id(p): b for b, bucket in enumerate(self.buckets) for p in bucket.params}
+        unique: list[nn.Module] = []
+        for u in units:
+            if all(u is not v for v in unique):
+                unique.append(u)
+        handles = []
+        for u in unique:
+            inside = {id(m) for m in u.modules()}
+            nested = [v for v in unique if v is not u and id(v) in inside]
+            others = {id(p) for v in nested for p in v.parameters()}
+            buckets = sorted(
+                {bucket_of[id(p)] for p in u.parameters() if id(p) in bucket_of and id(p) not in others}
+            )
+            if buckets:
+                handles.append(u.register_forward_pre_hook(self._make_pre_hook(buckets), prepend=True))
+        return handles
+
+    def _make_pre_hook(self, buckets: list[int]) -> Any:
+        def pre_hook(module: nn.Module, args: Any) -> None:
+            if not self._pending:
+                return
+            for b in buckets:
+                if b in self._pending:
+                    self._complete(b)
+
+        return pre_hook
+
+    def remove(self) -> None:
+        """Remove the forward pre-hooks (call ``wait()`` first if a gather may be pending)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
