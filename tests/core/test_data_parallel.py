@@ -169,6 +169,14 @@ def _toy_case(rank: int, world: int) -> dict[str, Any]:
             worst = max(worst, ((p.grad - expected).abs() - ATOL - RTOL * expected.abs()).max().item())
         unused_zero = bool((model.unused.weight.grad == 0).all())
         out[overlap] = dict(worst=worst, unused_zero=unused_zero, buckets=len(reducer.buckets))
+        if overlap:  # a second synchronised backward before finish() is refused, not silently mis-reduced
+            _toy_grads(model, rank)
+            try:
+                model(torch.randn(4, 6), use_sometimes=rank == 1).square().mean().backward()
+                out["refused"] = False
+            except RuntimeError as err:
+                out["refused"] = "finish()" in str(err)
+            reducer.finish()  # every rank drains the same buckets: the group stays usable
         reducer.remove()
     return out
 
@@ -226,6 +234,7 @@ def _check(results: list[dict[str, Any]], world: int) -> None:
         assert off["launched_in_backward"] == 0, rank
         for n, g in on["single_grads"].items():  # same buckets, same sums: bitwise equal
             assert torch.equal(g, off["single_grads"][n]), (rank, n)
+        assert r["toy"].pop("refused") is True, rank
         for toy in r["toy"].values():
             assert toy["buckets"] >= 3 and toy["worst"] <= 0 and toy["unused_zero"], (rank, toy)
         assert r["bf16"]["fp32"] == 0, (rank, r["bf16"])
