@@ -1,0 +1,329 @@
+# GPTModule: megascale-core's GPT as a LightningModule, written to run under any strategy (single device,
+# DDP, MegaScaleStrategy's tensor × pipeline × ZeRO layout).
+#
+# The module builds the GPT in `configure_model` (not __init__), so a strategy can build it on the meta
+# device (Lightning's empty-init context) and parallelise/materialise it afterwards: MegaScaleStrategy finds
+# every megascale GPT in the module, applies TP/activation checkpointing/ZeRO, then `to_empty` +
+# `GPT.init_weights()`. Nothing here materialises or assumes plain tensors: parameters may be DTensors by the
+# time `configure_optimizers` runs (param groups use the logical `ndim`; LAMB and AdamW take DTensors).
+#
+# Choices where the brief left room:
+# - Hyperparameters are saved as one explicit dict, the config as `GPTConfig.to_dict()`, so a checkpoint
+#   holds only plain Python types and loads with `torch.load(weights_only=True)`; `__init__` accepts that
+#   dict back for `config` (what `load_from_checkpoint` passes). The dict is passed explicitly rather than
+#   collected from the frame so that LightningCLI's own hparams (which hold the config as a dict too) cannot
+#   make Lightning record `config` as "the" hparams argument, which would break loading.
+# - Dict batches: `labels` are the next-token targets aligned with `input_ids` (already shifted, like
+#   (inputs, targets) tuples); -100 marks positions left out of the loss.
+# - `train/tokens` counts micro-batches seen by the fit loop × tokens per micro-batch × dp size (float64, so
+#   counts stay exact far past 2^24): it assumes the layout did not change during the run.
+# - `train/grad_norm` is the norm of all gradients (after unscaling, before clipping: Lightning calls
+#   `on_before_optimizer_step` between the two), every step, by megascale.core.parallel.grad_norm (each
+#   tensor counted once, plain, tensor-parallel or ZeRO-sharded). Pipeline stages would also need its
+#   `sum_group` (the stages' group, which the strategy owns): to be passed when pipeline parallelism lands.
+#
+# FLOPs and Lightning's ThroughputMonitor (lightning 2.6: pytorch/callbacks/throughput_monitor.py,
+# fabric/utilities/throughput.py). The callback runs on global rank 0 only, reads `pl_module.flops_per_batch`
+# after every batch and hands it to `Throughput.update(flops=...)`, whose contract is "FLOPs per DEVICE for
+# this batch"; Throughput multiplies by `trainer.world_size` for the global `flops_per_sec` and divides by the
+# device's peak for `device/mfu`. One data-parallel replica processes a micro-batch of B×T tokens spread over
+# its tp × pp devices, so the per-device figure is
+#     flops_per_batch = flops_per_token(config, T) × B × T × dp / world_size
+# (= flops_per_token × B × T under DDP). It is model FLOPs (6·N + attention; no recomputation from
+# activation checkpointing), so the MFU is the paper's MFU, not hardware utilisation. In validation it is a
+# third of that (forward only). MFU needs the device's peak FLOPs: Lightning knows them for CUDA GPUs and
+# reports `train/device/mfu`; on CPU it reports FLOPs/s without MFU. Use the module-level `batch_size_fn` and
+# `length_fn` with the callback (in YAML: `batch_size_fn: megascale.lightning.module.batch_size_fn`). Note
+# that Throughput also multiplies samples and items per second by the world size: with tp × pp > 1 those
+# global figures count each sample once per model-parallel device; the `device/` figures, FLOPs and MFU are
+# right, and `train/tokens` gives the exact global token count.
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
+from megascale.core import GPT, GPTConfig, flops_per_token
+from megascale.core import generate as _generate
+from megascale.core.optim import LAMB
+from megascale.core.parallel.grad_norm import grad_norm
+from megascale.lightning.data import data_parallel_layout
+
+__all__ = ["GPTModule", "batch_size_fn", "length_fn", "split_batch", "warmup_cosine"]
+
+
+def split_batch(batch: Any) -> tuple[Tensor, Tensor]:
+    """(inputs, targets) of a batch: an (inputs, targets) pair or a dict with ``input_ids`` and ``labels``."""
+    if isinstance(batch, Mapping):
+        return batch["input_ids"], batch["labels"]
+    if isinstance(batch, Sequence) and len(batch) == 2:
+        return batch[0], batch[1]
+    raise TypeError(
+        f"expected a batch (inputs, targets) or {{'input_ids': ..., 'labels': ...}}, got {type(batch).__name__}"
+    )
+
+
+def batch_size_fn(batch: Any) -> int:
+    """Samples in a batch, for ``ThroughputMonitor(batch_size_fn=...)``."""
+    return int(split_batch(batch)[0].shape[0])
+
+
+def length_fn(batch: Any) -> int:
+    """Tokens in a batch, for ``ThroughputMonitor(length_fn=...)`` (its items/s are then tokens/s)."""
+    return int(split_batch(batch)[0].numel())
+
+
+def warmup_cosine(step: int, *, warmup_steps: int, decay_steps: int, min_lr_ratio: float) -> float:
+    """LR multiplier at optimizer step ``step``: linear warmup from 1/warmup_steps to 1 over ``warmup_steps``
+    steps, then cosine decay to ``min_lr_ratio`` at ``decay_steps``, constant after."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, decay_steps - warmup_steps))
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def _plain(t: Tensor) -> Tensor:
+    # a DTensor (sharded loss or norm) as the whole value; plain tensors as they are
+    full = getattr(t, "full_tensor", None)
+    return full() if callable(full) else t
+
+
+class GPTModule(LightningModule):
+    """Next-token pretraining of a megascale-core GPT.
+
+    Args:
+        config: the GPT's architecture (nested in YAML as ``model.config.*``); a plain dict is accepted too,
+            which is how a checkpoint's hyperparameters give it back.
+        optimizer: "adamw" (torch AdamW, fused/foreach as torch chooses) or "lamb" (megascale LAMB, for
+            large batches; trust ratios over whole tensors even when sharded).
+        lr: peak learning rate.
+        min_lr_ratio: the learning rate at the end of the cosine decay, as a fraction of ``lr``.
+        warmup_steps: optimizer steps of linear warmup from ~0 to ``lr``.
+        decay_steps: optimizer step at which the cosine decay reaches ``min_lr_ratio × lr`` (counting the
+            warmup); None = the trainer's total steps (``max_steps``, or what ``max_epochs`` implies).
+        weight_decay: decoupled weight decay of matrices and embeddings (≥2-D parameters); norm weights and
+            biases get none.
+        betas: the optimizer's moment decay rates.
+        eps: the optimizer's denominator epsilon.
+        init_seed: seed of the weight init (``GPT.init_weights(seed)``: the same values under any parallel
+            layout); None = the global RNG (``seed_everything``). Read by strategies that materialise a
+            meta-device model.
+    """
+
+    def __init__(
+        self,
+        config: GPTConfig,
+        optimizer: Literal["adamw", "lamb"] = "adamw",
+        lr: float = 3e-4,
+        min_lr_ratio: float = 0.1,
+        warmup_steps: int = 100,
+        decay_steps: int | None = None,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        init_seed: int | None = None,
+    ) -> None:
+        super().__init__()
+        if isinstance(config, Mapping):  # from a checkpoint's hyperparameters
+            config = GPTConfig(**config)
+        problems = []
+        if optimizer not in ("adamw", "lamb"):
+            problems.append(f"optimizer={optimizer!r} must be 'adamw' or 'lamb'")
+        if lr <= 0:
+            problems.append(f"lr={lr} must be > 0")
+        if not 0.0 <= min_lr_ratio <= 1.0:
+            problems.append(f"min_lr_ratio={min_lr_ratio} must be in [0, 1]")
+        if warmup_steps < 0:
+            problems.append(f"warmup_steps={warmup_steps} must be >= 0")
+        if decay_steps is not None and decay_steps < 1:
+            problems.append(f"decay_steps={decay_steps} must be >= 1 (or None for the trainer's total steps)")
+        if problems:
+            raise ValueError("invalid GPTModule arguments: " + "; ".join(problems))
+        self.save_hyperparameters(
+            {
+                "config": config.to_dict(),
+                "optimizer": optimizer,
+                "lr": lr,
+                "min_lr_ratio": min_lr_ratio,
+                "warmup_steps": warmup_steps,
+                "decay_steps": decay_steps,
+                "weight_decay": weight_decay,
+                "betas": tuple(betas),
+                "eps": eps,
+                "init_seed": init_seed,
+            }
+        )
+        self.config = config
+        self.optimizer_name = optimizer
+        self.lr = lr
+        self.min_lr_ratio = min_lr_ratio
+        self.warmup_steps = warmup_steps
+        self.decay_steps = decay_steps
+        self.weight_decay = weight_decay
+        self.betas = (float(betas[0]), float(betas[1]))
+        self.eps = eps
+        self.init_seed = init_seed
+        self.model: GPT | None = None
+        # Per-device FLOPs of the last batch's shape, for ThroughputMonitor (see the header); None until the
+        # first batch.
+        self.flops_per_batch: int | None = None
+        self._flops_key: tuple[int, int, bool, int, int] | None = None
+
+    # -- model ------------------------------------------------------------------------------------------------
+
+    def configure_model(self) -> None:
+        """Build the GPT once (Lightning may call this again: later calls do nothing).
+
+        Under a meta-device context (a strategy's empty init) the GPT allocates nothing and is not
+        initialised: whoever materialises it calls ``to_empty`` and ``init_weights(init_seed)``. Otherwise the
+        GPT initialises itself from the global RNG, and again from ``init_seed`` if one is given. Either way
+        ``init_seed`` becomes the GPT's ``init_seed``, which its ``init_weights()`` uses.
+        """
+        if self.model is not None:
+            return
+        model = GPT(self.config)
+        if self.init_seed is not None:
+            if any(p.is_meta for p in model.parameters()):
+                model.init_seed = self.init_seed  # what a later init_weights() (no argument) uses
+            else:
+                model.init_weights(seed=self.init_seed)
+        self.model = model
+
+    @property
+    def gpt(self) -> GPT:
+        """The GPT (after ``configure_model``)."""
+        if self.model is None:
+            raise RuntimeError(
+                "GPTModule.configure_model() has not run: the Trainer calls it, or call it yourself"
+            )
+        return self.model
+
+    def forward(self, tokens: Tensor, targets: Tensor | None = None) -> Tensor:
+        """Logits (B, T, padded vocab) of ``tokens``, or the mean next-token loss when ``targets`` are given."""
+        return self.gpt(tokens, targets)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompt: Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> Tensor:
+        """Extend ``prompt`` (B, T) by ``max_new_tokens`` sampled tokens (single process; temperature 0 =
+        greedy). See ``megascale.core.generate``."""
+        model = self.gpt
+        was_training = model.training
+        model.eval()
+        try:
+            return _generate(
+                model, prompt.to(self.device), max_new_tokens, temperature, top_k=top_k, generator=generator
+            )
+        finally:
+            model.train(was_training)
+
+    # -- steps ------------------------------------------------------------------------------------------------
+
+    def _dp_size(self) -> int:
+        return data_parallel_layout(self.trainer)[0]
+
+    def _update_flops(self, inputs: Tensor, training: bool) -> None:
+        batch, seq = int(inputs.shape[0]), int(inputs.shape[-1])
+        dp, world = self._dp_size(), int(self.trainer.world_size)
+        key = (batch, seq, training, dp, world)
+        if key == self._flops_key:
+            return
+        per_replica = flops_per_token(self.config, seq) * batch * seq * (1.0 if training else 1.0 / 3.0)
+        self.flops_per_batch = int(per_replica * dp / world)
+        self._flops_key = key
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        inputs, targets = split_batch(batch)
+        self._update_flops(inputs, training=True)
+        loss = self.gpt(inputs, targets)
+        size = int(inputs.shape[0])
+        self.log(
+            "train/loss", _plain(loss.detach()), prog_bar=True, on_step=True, on_epoch=False, sync_dist=True,
+            batch_size=size,
+        )  # fmt: skip
+        optimizers = self.trainer.optimizers
+        if optimizers:
+            lr = float(optimizers[0].param_groups[0]["lr"])
+            self.log("train/lr", lr, on_step=True, on_epoch=False, batch_size=size)
+        micro_batches = self.trainer.fit_loop.total_batch_idx + 1
+        tokens = micro_batches * inputs.numel() * self._dp_size()
+        self.log(
+            "train/tokens", torch.tensor(float(tokens), dtype=torch.float64), on_step=True, on_epoch=False,
+            batch_size=size,
+        )  # fmt: skip
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> Tensor:
+        inputs, targets = split_batch(batch)
+        self._update_flops(inputs, training=False)
+        loss = self.gpt(inputs, targets)
+        self.log("val/loss", _plain(loss), prog_bar=True, sync_dist=True, batch_size=int(inputs.shape[0]))
+        return loss
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        # each tensor counted once whether plain, tensor-parallel or ZeRO-sharded; the same on every rank
+        norm = grad_norm(self.parameters())
+        self.log("train/grad_norm", _plain(norm).detach().float(), on_step=True, on_epoch=False)
+
+    # -- optimisation -----------------------------------------------------------------------------------------
+
+    def _total_decay_steps(self) -> int:
+        if self.decay_steps is not None:
+            return self.decay_steps
+        if self._trainer is None:
+            raise RuntimeError(
+                "decay_steps=None takes the trainer's total steps: attach a Trainer or set decay_steps"
+            )
+        total = self.trainer.estimated_stepping_batches
+        if not math.isfinite(total):
+            raise ValueError("the trainer's total steps are unknown (an endless dataloader): set decay_steps")
+        return int(total)
+
+    def configure_optimizers(self) -> OptimizerLRSchedulerConfig:
+        """AdamW or LAMB with weight decay on ≥2-D parameters only, and a per-step warmup + cosine schedule."""
+        decay: list[nn.Parameter] = []
+        no_decay: list[nn.Parameter] = []
+        for param in self.parameters():
+            if param.requires_grad:
+                (decay if param.ndim >= 2 else no_decay).append(param)
+        groups = [
+            group
+            for group in (
+                {"params": decay, "weight_decay": self.weight_decay},
+                {"params": no_decay, "weight_decay": 0.0},
+            )
+            if group["params"]
+        ]
+        optimizer: torch.optim.Optimizer
+        if self.optimizer_name == "lamb":
+            optimizer = LAMB(
+                groups, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay
+            )
+        else:
+            optimizer = torch.optim.AdamW(
+                groups, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay
+            )
+        schedule = functools.partial(
+            warmup_cosine,
+            warmup_steps=self.warmup_steps,
+            decay_steps=self._total_decay_steps(),
+            min_lr_ratio=self.min_lr_ratio,
+        )
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1},
+        }
