@@ -215,6 +215,35 @@ class OptimizerStateSharding:
             if isinstance(v, Tensor)
         )
 
+    @torch.no_grad()
+    def init_owned_state(self) -> None:
+        """Create optimizer state for every owned parameter that has none yet, and for no other.
+
+        Checkpointing needs it: ``torch.distributed.checkpoint``'s ``get_optimizer_state_dict`` creates
+        state for all parameters when the optimizer has none, and a template for loading must hold exactly
+        the states this rank owns. Takes one optimizer step with zero gradients and learning rate 0 over the
+        owned parameters, which changes no parameter (nor, for torch's optimizers and LAMB, any state but
+        the step count of a fresh state, which a following load overwrites).
+        """
+        missing = [p for p in self.owned_params() if not self.optimizer.state.get(p)]
+        if not missing:
+            return
+        grads = {id(p): p.grad for p in self.params}
+        lrs = [group["lr"] for group in self.optimizer.param_groups]
+        try:
+            for p in self.params:
+                p.grad = None
+            for p in missing:
+                p.grad = torch.zeros_like(p)
+            for group in self.optimizer.param_groups:
+                group["lr"] = 0.0
+            self.optimizer.step()
+        finally:
+            for group, lr in zip(self.optimizer.param_groups, lrs):
+                group["lr"] = lr
+            for p in self.params:
+                p.grad = grads[id(p)]
+
     # ---- the step ---------------------------------------------------------------------------------------
 
     def drop_unowned_grads(self) -> None:
