@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
+
 from megascale.lightning import configs
 from megascale.lightning.data import TokenDataModule
 from megascale.lightning.module import GPTModule

@@ -63,9 +63,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
-
 from lightning.pytorch import LightningDataModule
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 if TYPE_CHECKING:
     from lightning.pytorch import Trainer

@@ -46,10 +46,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import torch
-from torch import Tensor, nn
-
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
+from torch import Tensor, nn
+
 from megascale.core import GPT, GPTConfig, flops_per_token
 from megascale.core import generate as _generate
 from megascale.core.optim import LAMB
