@@ -300,3 +300,22 @@ def test_resume_at_another_global_batch_size_continues_the_global_order(tmp_path
     ]  # then epoch 1 from its start
     batch_idx = [idx for _, epoch, idx, _ in seen if epoch == 0]
     assert batch_idx == list(range(k, k + remaining))  # Lightning's counter continues at k
+
+
+def test_anchored_sampler_serves_the_rest_of_the_interrupted_epoch():
+    # After a checkpoint saved once fit() stopped at max_steps, Lightning resumes under the next epoch
+    # number; an uninterrupted run would finish the interrupted epoch first, and so must the data.
+    n, b, dp = 50, 2, 2
+    g = b * dp
+    full = ResumableDistributedSampler(_Sized(n), dp, 0, batch_size=b)
+    stream = []
+    for epoch in range(2):
+        full.set_epoch(epoch)
+        stream.append(_micro_batches(full))
+    resumed = ResumableDistributedSampler(
+        _Sized(n), dp, 0, batch_size=b, consumed_samples=3 * g, anchor_epoch=True
+    )
+    resumed.set_epoch(1)  # Lightning's number for the resumed epoch
+    assert _micro_batches(resumed) == stream[0][3:]
+    resumed.set_epoch(2)
+    assert _micro_batches(resumed) == stream[1]

@@ -9,6 +9,7 @@ from importlib.metadata import PackageNotFoundError, version
 # Public names are re-exported with `as` (explicit re-exports for ruff and mypy): adding one is one line.
 from megascale.lightning.data import TokenDataModule as TokenDataModule
 from megascale.lightning.module import GPTModule as GPTModule
+from megascale.lightning.strategy import MegaScaleStrategy as MegaScaleStrategy
 
 try:
     __version__ = version("megascale-lightning")

@@ -213,8 +213,13 @@ class ResumableDistributedSampler(DistributedSampler):
         consumed_samples: samples (all ranks, all epochs) already consumed; iteration resumes after them.
         consumed_global_batch_size: ``batch_size × num_replicas`` of the run that consumed them, if it
             differs from this one (a resume at another dp size); None = this sampler's.
-        epoch: the first epoch; None = the epoch ``consumed_samples`` falls in (Lightning then calls
-            ``set_epoch`` with its own count, which agrees).
+        epoch: the first epoch; None = the epoch ``consumed_samples`` falls in.
+        anchor_epoch: False: ``set_epoch(e)`` selects data epoch ``e``. True: the first ``set_epoch`` call
+            names the trainer's number for the epoch ``consumed_samples`` falls in, and later calls move
+            relative to it (``TokenDataModule`` sets this). The data position is then the sampler's own
+            truth: after a checkpoint saved once ``fit`` stopped at ``max_steps``, Lightning counts the
+            interrupted epoch as finished and resumes under the next epoch number, while an uninterrupted
+            run would go on with the rest of that epoch — which is what the sampler serves.
     """
 
     def __init__(
@@ -229,6 +234,7 @@ class ResumableDistributedSampler(DistributedSampler):
         consumed_samples: int = 0,
         consumed_global_batch_size: int | None = None,
         epoch: int | None = None,
+        anchor_epoch: bool = False,
     ) -> None:
         initialized = dist.is_available() and dist.is_initialized()
         if num_replicas is None:
@@ -247,6 +253,13 @@ class ResumableDistributedSampler(DistributedSampler):
         self.consumed_global_batch_size = consumed_global_batch_size or self.global_batch_size
         resume_epoch, _, _ = self._resume_point()
         self.epoch = resume_epoch if epoch is None else epoch
+        self._epoch_offset: int | None = None if anchor_epoch else 0  # trainer epoch - data epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Move to the trainer's ``epoch`` (see ``anchor_epoch``)."""
+        if self._epoch_offset is None:
+            self._epoch_offset = epoch - self.epoch
+        self.epoch = epoch - self._epoch_offset
 
     @property
     def global_batch_size(self) -> int:
@@ -419,6 +432,7 @@ class TokenDataModule(LightningDataModule):
             seed=self.seed,
             consumed_samples=consumed,
             consumed_global_batch_size=previous_global_batch,
+            anchor_epoch=True,
         )
         return DataLoader(
             self.train_dataset,

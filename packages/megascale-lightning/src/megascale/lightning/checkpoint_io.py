@@ -1,0 +1,182 @@
+"""Distributed checkpoints: one ``torch.distributed.checkpoint`` (DCP) directory per checkpoint.
+
+Layout of ``path/`` (Lightning names it ``epoch=…-step=….ckpt``, a directory):
+    .metadata, __*_*.distcp   DCP: ``state_dict`` (model) and ``optimizer_<i>`` (optimizer states), each
+                              rank writing its own shards; keys are parameter names (FQNs), the same in
+                              every layout, so a checkpoint saved under tp2×dp2/zero2 loads under dp4,
+                              single process, or any other layout (DCP reshards).
+    meta.pt                   everything else Lightning keeps (loops, callbacks, LR schedulers, data-module
+                              state, hyper-parameters), written by rank 0, read with ``weights_only=True``.
+
+ZeRO-1 keeps optimizer state only on each parameter's owner: each rank saves the states it owns, and on
+load asks only for the states it owns in the new layout (see ``owned_state_init``).
+
+``convert_to_torch`` turns a checkpoint into one plain file for inference (config + model weights) without
+loading optimizer states; ``load_gpt`` rebuilds the GPT from it.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.optim import Optimizer
+
+from megascale.core import GPT, GPTConfig
+
+__all__ = ["META_FILE", "convert_to_torch", "is_checkpoint", "load", "load_gpt", "save"]
+
+META_FILE = "meta.pt"
+MODEL_KEY = "state_dict"
+
+
+def is_checkpoint(path: str | Path) -> bool:
+    """True for a complete megascale checkpoint directory (DCP metadata and Lightning state present)."""
+    path = Path(path)
+    return (path / ".metadata").is_file() and (path / META_FILE).is_file()
+
+
+def _states(
+    model: nn.Module, optimizers: Sequence[Optimizer], before_optimizer_state: Callable[[Optimizer], None]
+) -> dict[str, Any]:
+    state: dict[str, Any] = {MODEL_KEY: get_model_state_dict(model)}
+    for i, optimizer in enumerate(optimizers):
+        before_optimizer_state(optimizer)
+        state[f"optimizer_{i}"] = get_optimizer_state_dict(model, optimizer)
+    return state
+
+
+def save(
+    path: str | Path,
+    model: nn.Module,
+    optimizers: Sequence[Optimizer],
+    lightning_state: dict[str, Any],
+    *,
+    is_global_zero: bool,
+    barrier: Callable[[], None],
+    before_optimizer_state: Callable[[Optimizer], None] = lambda _: None,
+) -> None:
+    """Write ``path/`` collectively (every rank calls this). ``lightning_state``: Lightning's checkpoint dict
+    without the model and optimizer states."""
+    path = Path(path)
+    if is_global_zero:
+        if path.is_file():
+            path.unlink()
+        elif path.is_dir() and not is_checkpoint(path) and any(path.iterdir()):
+            raise FileExistsError(f"{path} exists and is not a megascale checkpoint: not overwriting it")
+        path.mkdir(parents=True, exist_ok=True)
+    barrier()
+    dcp.save(_states(model, optimizers, before_optimizer_state), checkpoint_id=path)
+    if is_global_zero:
+        # written last: a directory without meta.pt is an incomplete checkpoint (is_checkpoint is False)
+        tmp = path / (META_FILE + ".tmp")
+        torch.save(lightning_state, tmp)
+        tmp.replace(path / META_FILE)
+    barrier()
+
+
+def load(
+    path: str | Path,
+    model: nn.Module,
+    optimizers: Sequence[Optimizer],
+    *,
+    strict: bool = True,
+    before_optimizer_state: Callable[[Optimizer], None] = lambda _: None,
+    holds_all_states: Callable[[Optimizer], bool] = lambda _: True,
+) -> dict[str, Any]:
+    """Load model and optimizer states in place (any layout) and return Lightning's remaining state.
+
+    ``holds_all_states(optimizer)`` is False for a ZeRO-1 optimizer, whose rank loads the states of its own
+    parameters only (DCP still fails if any of those is missing from the checkpoint).
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"{path} is not a megascale checkpoint directory (MegaScaleStrategy writes checkpoints as "
+            "torch.distributed.checkpoint directories)"
+        )
+    if not is_checkpoint(path):
+        raise ValueError(
+            f"{path} is an incomplete checkpoint (no {'.metadata' if not (path / '.metadata').exists() else META_FILE}"
+            "): it was probably interrupted while saving; resume from an earlier one"
+        )
+    state = _states(model, optimizers, before_optimizer_state)
+    if not optimizers:
+        state = {MODEL_KEY: state[MODEL_KEY]}
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state[MODEL_KEY], options=_options(strict))
+    for i, optimizer in enumerate(optimizers):
+        options = _options(strict=holds_all_states(optimizer))
+        set_optimizer_state_dict(model, optimizer, state[f"optimizer_{i}"], options=options)
+    return torch.load(path / META_FILE, weights_only=True, map_location="cpu")
+
+
+def _options(strict: bool) -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(strict=strict)
+
+
+def convert_to_torch(checkpoint: str | Path, output: str | Path, *, module_attribute: str = "model") -> Path:
+    """Write ``output``: {"config": GPTConfig as a dict, "state_dict": the GPT's weights as plain tensors}.
+
+    Reads only the model's tensors (not optimizer states), on one process. ``module_attribute`` is the
+    attribute of the LightningModule holding the GPT (``GPTModule.model``).
+    """
+    checkpoint, output = Path(checkpoint), Path(output)
+    if not is_checkpoint(checkpoint):
+        raise ValueError(f"{checkpoint} is not a complete megascale checkpoint directory")
+    reader = FileSystemReader(checkpoint)
+    metadata = reader.read_metadata()
+    prefix = f"{MODEL_KEY}.{module_attribute}."
+    state: dict[str, Any] = {}
+    for key, item in metadata.state_dict_metadata.items():
+        if key.startswith(prefix):
+            props = item.properties  # type: ignore[union-attr]
+            state[key] = torch.empty(item.size, dtype=props.dtype)  # type: ignore[union-attr]
+    if not state:
+        raise ValueError(f"{checkpoint} holds no tensors under {prefix!r}")
+    dcp.load(state, storage_reader=reader, no_dist=True)
+    meta = torch.load(checkpoint / META_FILE, weights_only=True, map_location="cpu")
+    config = meta.get("hyper_parameters", {}).get("config")
+    if not isinstance(config, dict):
+        raise ValueError(f"{checkpoint} has no GPT config in its hyper-parameters (saved by GPTModule?)")
+    weights = {key[len(prefix) :]: tensor for key, tensor in state.items()}
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = output.with_name(output.name + ".tmp")
+    torch.save({"config": config, "state_dict": weights, "format": "megascale-gpt-v1"}, tmp)
+    tmp.replace(output)
+    return output
+
+
+def load_gpt(path: str | Path, device: torch.device | str = "cpu") -> GPT:
+    """The GPT stored by ``convert_to_torch`` (loaded with ``weights_only=True``)."""
+    saved = torch.load(path, weights_only=True, map_location=device)
+    if saved.get("format") != "megascale-gpt-v1":
+        raise ValueError(f"{path} is not a file written by convert_to_torch")
+    with torch.device("meta"):
+        model = GPT(GPTConfig(**saved["config"]))
+    model.load_state_dict(saved["state_dict"], assign=True, strict=True)
+    model.rope.to_empty(device=device)
+    model.rope.reset_parameters()
+    return model
+
+
+def remove(path: str | Path) -> None:
+    path = Path(path)
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()

@@ -1,0 +1,73 @@
+"""Precision plugins for MegaScaleStrategy: Lightning's own, with two changes.
+
+1. Gradient clipping by norm uses the true global norm (``megascale.core.parallel.grad_norm``): gradients of
+   tensor-parallel shards are counted once over the whole tensor, replicated parameters once, FSDP shards
+   once. torch's ``clip_grad_norm_`` cannot mix DTensors of different meshes and plain tensors.
+2. A hook between clipping and the optimizer's update: ZeRO-1 drops the gradients of parameters this rank
+   does not own there, after they took part in the global norm and before the optimizer sees them.
+
+Supported precisions: "32-true" and "bf16-mixed" (autocast to bf16 over fp32 parameters: fp32 master
+weights and fp32 gradients, so the gradient reduction is fp32; under ZeRO-2/3 FSDP2 also gathers the
+parameters in bf16 and reduce-scatters the gradients in fp32). "16-mixed" needs a loss scaler and is refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from lightning.fabric.utilities.types import Steppable
+from lightning.pytorch import LightningModule
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from megascale.core.parallel.grad_norm import clip_grad_norm_
+
+__all__ = ["MegaScaleMixedPrecision", "MegaScalePrecision", "to_megascale_precision"]
+
+SUPPORTED = ("32-true", "bf16-mixed")
+
+
+class _GlobalNormClipping:
+    before_optimizer_step: Callable[[Optimizer], None] | None = None
+
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        clip_grad_norm_(self.main_params(optimizer), clip_val)  # type: ignore[attr-defined]
+
+    def _wrap_closure(self, model: LightningModule, optimizer: Steppable, closure: Callable[[], Any]) -> Any:
+        result = super()._wrap_closure(model, optimizer, closure)  # type: ignore[misc]  # step, backward, clip
+        if self.before_optimizer_step is not None and isinstance(optimizer, Optimizer):
+            self.before_optimizer_step(optimizer)
+        return result
+
+
+class MegaScalePrecision(_GlobalNormClipping, Precision):
+    """Full precision ("32-true")."""
+
+    @override
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        _GlobalNormClipping.clip_grad_by_norm(self, optimizer, clip_val)
+
+
+class MegaScaleMixedPrecision(_GlobalNormClipping, MixedPrecision):
+    """bf16 autocast over fp32 parameters ("bf16-mixed")."""
+
+    @override
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        _GlobalNormClipping.clip_grad_by_norm(self, optimizer, clip_val)
+
+
+def to_megascale_precision(plugin: Precision) -> MegaScalePrecision | MegaScaleMixedPrecision:
+    """The MegaScale version of the plugin Lightning chose from ``Trainer(precision=...)``."""
+    if isinstance(plugin, (MegaScalePrecision, MegaScaleMixedPrecision)):
+        return plugin
+    name = str(getattr(plugin, "precision", ""))
+    if type(plugin) is Precision and name == "32-true":
+        return MegaScalePrecision()
+    if isinstance(plugin, MixedPrecision) and name == "bf16-mixed":
+        return MegaScaleMixedPrecision("bf16-mixed", device=plugin.device)
+    raise ValueError(
+        f"MegaScaleStrategy supports precision {SUPPORTED}, got {name or type(plugin).__name__!r}. "
+        "Use Trainer(precision='bf16-mixed') for mixed precision (fp16 would need a loss scaler)."
+    )

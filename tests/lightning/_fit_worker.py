@@ -1,0 +1,95 @@
+"""Runs a list of ``Trainer.fit`` jobs in one (possibly torchrun-launched) process group and records them.
+
+    python -m torch.distributed.run --nproc-per-node 4 -m tests.lightning._fit_worker SPEC.json OUT.pt
+    python -m tests.lightning._fit_worker SPEC.json OUT.pt          # one process, Lightning's default strategy
+
+SPEC.json: {"jobs": [{"name", "strategy": {MegaScaleStrategy kwargs} | null, "config": {GPTConfig kwargs},
+"module": {GPTModule kwargs}, "data": {TokenDataModule kwargs}, "trainer": {Trainer kwargs},
+"save_at_end": path | null, "resume_from": path | null}, ...]}
+OUT.pt (written by global rank 0): {name: {"losses": [per optimizer step, as logged (synced over ranks)],
+"weights": {name: full fp32 tensor}}}. Several fits share the process group (Lightning keeps it alive), so
+one launch pays the ~5 s of imports once for all the layouts of a world size.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, Trainer, seed_everything
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from megascale.core import GPTConfig
+from megascale.lightning import GPTModule, MegaScaleStrategy, TokenDataModule
+
+
+class RecordLoss(Callback):
+    """The synced training loss after every optimizer step (what loggers and the progress bar show)."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
+            self.losses.append(float(trainer.callback_metrics["train/loss"]))
+            if os.environ.get("FIT_DEBUG"):
+                print(
+                    "DEBUG",
+                    trainer.global_rank,
+                    batch_idx,
+                    float(outputs["loss"]),
+                    self.losses[-1],
+                    batch[0][:, :4].tolist(),
+                    flush=True,
+                )
+
+
+def run_job(job: dict[str, Any]) -> dict[str, Any]:
+    seed_everything(0, workers=True)
+    strategy = MegaScaleStrategy(**job["strategy"]) if job.get("strategy") is not None else "auto"
+    module = GPTModule(GPTConfig(**job["config"]), **job.get("module", {}))
+    data = TokenDataModule(**job["data"])
+    record = RecordLoss()
+    trainer_kwargs = dict(
+        accelerator="cpu",
+        devices=int(os.environ.get("WORLD_SIZE", "1")),
+        strategy=strategy,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[record],
+    )
+    trainer_kwargs.update(job.get("trainer", {}))
+    trainer = Trainer(**trainer_kwargs)
+    trainer.fit(module, datamodule=data, ckpt_path=job.get("resume_from"))
+    if job.get("save_at_end"):
+        trainer.save_checkpoint(job["save_at_end"])
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    weights = {k: v.float().clone() for k, v in get_model_state_dict(module, options=options).items()}
+    return {"losses": record.losses, "weights": weights}
+
+
+def main(spec_path: str, out_path: str) -> None:
+    torch.set_num_threads(1)
+    with open(spec_path) as f:
+        spec = json.load(f)
+    results = {job["name"]: run_job(job) for job in spec["jobs"]}
+    if int(os.environ.get("RANK", "0")) == 0:
+        torch.save(results, out_path)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # avoids gloo's occasional abort at interpreter exit (shared notes)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])

@@ -1,0 +1,115 @@
+"""MegaScaleStrategy against one process: every layout trains the same model on the same data identically.
+
+Each layout runs as a real ``Trainer.fit`` on gloo ranks (torchrun, one launch per world size for all its
+layouts) and is compared with the same ``GPTModule``/``TokenDataModule`` fitted on one process with
+Lightning's default strategy: same seed, same global batch (8 sequences per step), five AdamW steps with
+warmup, weight decay and gradient clipping at a norm small enough to be active every step (so clipping by the
+true global norm is tested too).
+
+Tolerance. Everything is float32; layouts differ only in the order of sums (gradients averaged over dp,
+partial products over tp, norms combined across shards): ~1e-7 relative per gradient. Losses and the step
+count see that directly: they agree to 1e-5. Weights go through AdamW, whose update m/(sqrt(v)+eps) turns a
+relative gradient difference into an absolute update difference of up to ~lr for elements whose gradient is
+near zero; observed ≤ 1.5e-6 after five steps at lr 1e-3, so weights must agree to 2e-5 absolute. A layout
+that drops a reduction, double counts a norm or mis-splits the batch moves weights by ~1e-3 and losses by
+~1e-2.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.lightning._launch import fit
+
+LOSS_TOL = 1e-5
+WEIGHT_TOL = 2e-5
+
+CONFIG = dict(vocab_size=100, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32,
+              pad_vocab_to_multiple_of=64, parallel_block=True, sliding_window=8, full_attention_every=2)  # fmt: skip
+# decay_steps fixed: it would otherwise follow each run's max_steps, and a 3-step run saved for resuming would
+# have decayed its learning rate over 3 steps instead of the whole run's
+MODULE = dict(optimizer="adamw", lr=1e-3, warmup_steps=2, decay_steps=20, weight_decay=0.1)
+GLOBAL_BATCH = 8
+
+
+def job(name: str, strategy: dict | None, dp: int, *, steps: int = 5, accumulate: int = 1, **extra) -> dict:
+    micro = GLOBAL_BATCH // (dp * accumulate)
+    return dict(
+        name=name,
+        strategy=strategy,
+        config=CONFIG,
+        module=MODULE,
+        data=dict(source="random:100", seq_len=16, batch_size=micro, max_bytes=40_000, shuffle=True),
+        trainer=dict(max_steps=steps, gradient_clip_val=0.05, accumulate_grad_batches=accumulate),
+        **extra,
+    )
+
+
+def overlap(on: bool) -> dict:
+    return dict(overlap_tp_comm=on, overlap_grad_reduce=on, overlap_param_gather=on)
+
+
+WORLD2 = {
+    "dp2/zero1": (dict(zero_stage=1), 2),
+    "dp2/zero2": (dict(zero_stage=2), 2),
+    "dp2/zero3": (dict(zero_stage=3), 2),
+    "tp2": (dict(tp=2, sequence_parallel=False), 1),
+    "tp2+sp": (dict(tp=2, sequence_parallel=True), 1),
+}
+WORLD4 = {
+    "tp2×dp2/zero2": (dict(tp=2, zero_stage=2), 2),
+    "tp2×dp2/zero3": (dict(tp=2, zero_stage=3), 2),
+}
+
+
+def _compare(result: dict, reference: dict, name: str, losses: bool = True) -> None:
+    assert len(result["losses"]) == len(reference["losses"]), name
+    for step, (got, want) in enumerate(zip(result["losses"], reference["losses"])):
+        if losses:
+            assert got == pytest.approx(want, abs=LOSS_TOL), (
+                f"{name}: loss at step {step + 1}: {got} vs {want}"
+            )
+    assert result["weights"].keys() == reference["weights"].keys(), name
+    worst = max(
+        (result["weights"][k] - reference["weights"][k]).abs().max().item() for k in reference["weights"]
+    )
+    assert worst <= WEIGHT_TOL, f"{name}: final weights differ by up to {worst:.2e}"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("reference")
+    jobs = [job("single", None, 1), job("single-6", None, 1, steps=6), job("single-accum", None, 1)]
+    return fit(jobs, 1, tmp)
+
+
+def test_every_two_rank_layout_matches_one_process(reference, tmp_path):
+    jobs = [job(f"{name} overlap={on}", {**kw, **overlap(on)}, dp) for name, (kw, dp) in WORLD2.items() for on in (True, False)]  # fmt: skip
+    jobs.append(job("dp2/zero1 accumulate=2", dict(zero_stage=1), 2, accumulate=2))
+    results = fit(jobs, 2, tmp_path)
+    for name, result in results.items():
+        # with gradient accumulation Lightning logs each micro-batch's loss (half the global batch here):
+        # only the weights are comparable
+        _compare(result, reference["single"], name, losses="accumulate" not in name)
+
+
+def test_every_four_rank_layout_matches_one_process(reference, tmp_path):
+    jobs = [job(f"{name} overlap={on}", {**kw, **overlap(on)}, dp) for name, (kw, dp) in WORLD4.items() for on in (True, False)]  # fmt: skip
+    results = fit(jobs, 4, tmp_path)
+    for name, result in results.items():
+        _compare(result, reference["single"], name)
+
+
+def test_checkpoints_continue_identically_across_layouts(reference, tmp_path):
+    """Saved after 3 steps under tp2×dp2/zero2, resumed for 3 more under dp4/zero1, dp2/zero3 and one process:
+    the resumed steps and final weights are those of an uninterrupted single-process run."""
+    ckpt = str(tmp_path / "step3.ckpt")
+    saved = fit([job("save", dict(tp=2, zero_stage=2), 2, steps=3, save_at_end=ckpt)], 4, tmp_path)["save"]
+    uninterrupted = reference["single-6"]
+    assert saved["losses"] == pytest.approx(uninterrupted["losses"][:3], abs=LOSS_TOL)
+    resumed = fit([job("dp4/zero1", dict(zero_stage=1), 4, steps=6, resume_from=ckpt)], 4, tmp_path / "a")
+    resumed |= fit([job("dp2/zero3", dict(zero_stage=3), 2, steps=6, resume_from=ckpt)], 2, tmp_path / "b")
+    resumed |= fit([job("one process", dict(), 1, steps=6, resume_from=ckpt)], 1, tmp_path / "c")
+    tail = {"losses": uninterrupted["losses"][3:], "weights": uninterrupted["weights"]}
+    for name, result in resumed.items():
+        _compare(result, tail, f"resumed under {name}")
