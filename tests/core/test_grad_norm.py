@@ -1,4 +1,4 @@
-"""Tests of megascale.core.parallel.grad_norm: the global gradient norm and clipping, on plain tensors against
+"""Tests of megascale.core.parallel.grad_clip: the global gradient norm and clipping, on plain tensors against
 torch.nn.utils, and on real gloo ranks (tensor parallel, FSDP2, FSDP2 × TP on a 2-D mesh, Partial gradients)
 against one unsharded process holding the same weights and batch.
 
@@ -26,7 +26,7 @@ from megascale.core.parallel import all_reduce_over_shards, clip_grad_norm_, gra
 from tests._dist import run_distributed
 
 # The package exports the function grad_norm, which shadows the module of the same name as an attribute.
-grad_norm_module = importlib.import_module("megascale.core.parallel.grad_norm")
+grad_norm_module = importlib.import_module("megascale.core.parallel.grad_clip")
 
 RTOL = 1e-5
 CONFIG = dict(

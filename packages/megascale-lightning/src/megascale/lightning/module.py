@@ -18,7 +18,7 @@
 # - `train/tokens` counts micro-batches seen by the fit loop × tokens per micro-batch × dp size (float64, so
 #   counts stay exact far past 2^24): it assumes the layout did not change during the run.
 # - `train/grad_norm` is the norm of all gradients (after unscaling, before clipping: Lightning calls
-#   `on_before_optimizer_step` between the two), every step, by megascale.core.parallel.grad_norm (each
+#   `on_before_optimizer_step` between the two), every step, by megascale.core.parallel.grad_clip (each
 #   tensor counted once, plain, tensor-parallel or ZeRO-sharded). Pipeline stages would also need its
 #   `sum_group` (the stages' group, which the strategy owns): to be passed when pipeline parallelism lands.
 #
@@ -53,7 +53,7 @@ from torch import Tensor, nn
 from megascale.core import GPT, GPTConfig, flops_per_token
 from megascale.core import generate as _generate
 from megascale.core.optim import LAMB
-from megascale.core.parallel.grad_norm import grad_norm
+from megascale.core.parallel.grad_clip import grad_norm
 from megascale.lightning.data import data_parallel_layout
 
 __all__ = ["GPTModule", "batch_size_fn", "length_fn", "split_batch", "warmup_cosine"]

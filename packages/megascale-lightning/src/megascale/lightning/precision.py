@@ -1,6 +1,6 @@
 """Precision plugins for MegaScaleStrategy: Lightning's own, with two changes.
 
-1. Gradient clipping by norm uses the true global norm (``megascale.core.parallel.grad_norm``): gradients of
+1. Gradient clipping by norm uses the true global norm (``megascale.core.parallel.grad_clip``): gradients of
    tensor-parallel shards are counted once over the whole tensor, replicated parameters once, FSDP shards
    once. torch's ``clip_grad_norm_`` cannot mix DTensors of different meshes and plain tensors.
 2. A hook between clipping and the optimizer's update: ZeRO-1 drops the gradients of parameters this rank
@@ -22,7 +22,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from megascale.core.parallel.grad_norm import clip_grad_norm_
+from megascale.core.parallel.grad_clip import clip_grad_norm_
 
 __all__ = ["MegaScaleMixedPrecision", "MegaScalePrecision", "to_megascale_precision"]
 

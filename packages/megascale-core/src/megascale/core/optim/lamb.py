@@ -55,7 +55,7 @@ from torch import Tensor
 from torch.optim.optimizer import Optimizer, ParamsT  # ParamsT at run time: jsonargparse reads the signature
 
 from megascale.core import _optional
-from megascale.core.parallel.grad_norm import all_reduce_over_shards
+from megascale.core.parallel.grad_clip import all_reduce_over_shards
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

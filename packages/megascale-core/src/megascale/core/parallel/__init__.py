@@ -6,7 +6,7 @@ from megascale.core.parallel.activation_checkpoint import (
 )
 from megascale.core.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megascale.core.parallel.data_parallel import BucketedGradReduce
-from megascale.core.parallel.grad_norm import all_reduce_over_shards, clip_grad_norm_, grad_norm
+from megascale.core.parallel.grad_clip import all_reduce_over_shards, clip_grad_norm_, grad_norm
 from megascale.core.parallel.overlap import column_parallel_matmul, row_parallel_matmul
 from megascale.core.parallel.tensor_parallel import (
     ColumnParallelLinear,
