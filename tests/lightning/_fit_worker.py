@@ -5,7 +5,8 @@
 
 SPEC.json: {"jobs": [{"name", "strategy": {MegaScaleStrategy kwargs} | null, "config": {GPTConfig kwargs},
 "module": {GPTModule kwargs}, "data": {TokenDataModule kwargs}, "trainer": {Trainer kwargs},
-"save_at_end": path | null, "resume_from": path | null}, ...]}
+"save_at_end": path | null, "resume_from": path | null, "module_class": "pkg.mod.Class" (optional: any
+LightningModule taking **module; then "config" is unused)}, ...]}
 OUT.pt (written by global rank 0): {name: {"losses": [per optimizer step, as logged (synced over ranks)],
 "weights": {name: full fp32 tensor}}}. Several fits share the process group (Lightning keeps it alive), so
 one launch pays the ~5 s of imports once for all the layouts of a world size.
@@ -13,6 +14,7 @@ one launch pays the ~5 s of imports once for all the layouts of a world size.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
@@ -52,7 +54,11 @@ class RecordLoss(Callback):
 def run_job(job: dict[str, Any]) -> dict[str, Any]:
     seed_everything(0, workers=True)
     strategy = MegaScaleStrategy(**job["strategy"]) if job.get("strategy") is not None else "auto"
-    module = GPTModule(GPTConfig(**job["config"]), **job.get("module", {}))
+    if job.get("module_class"):
+        module_path, _, class_name = job["module_class"].rpartition(".")
+        module = getattr(importlib.import_module(module_path), class_name)(**job.get("module", {}))
+    else:
+        module = GPTModule(GPTConfig(**job["config"]), **job.get("module", {}))
     data = TokenDataModule(**job["data"])
     record = RecordLoss()
     trainer_kwargs = dict(

@@ -5,6 +5,7 @@
 #     megascale fit --config my.yaml --trainer.max_steps 50
 #     python -m megascale.lightning.cli fit --print_config   # every option, model.config.* included
 #     megascale configs                                     # shipped configs and their paths
+#     megascale convert CHECKPOINT_DIR model.pt             # a checkpoint → one plain file for inference
 #
 # Choices where the brief left room:
 # - `--config NAME` falls back to the shipped config of that name when no file NAME exists, so the examples
@@ -71,15 +72,36 @@ def _print_configs() -> None:
         print(f"  {name:<22} {configs.path(name)}")
 
 
+def _convert(argv: list[str]) -> None:
+    import argparse
+
+    from megascale.lightning.checkpoint_io import convert_to_torch
+
+    parser = argparse.ArgumentParser(
+        prog="megascale convert",
+        description="Turn a MegaScaleStrategy checkpoint directory into one plain file for inference: "
+        "{'config': GPTConfig dict, 'state_dict': weights}, loadable with torch.load(weights_only=True) "
+        "and megascale.lightning.checkpoint_io.load_gpt.",
+    )
+    parser.add_argument("checkpoint", help="checkpoint directory (e.g. checkpoints/run/last.ckpt)")
+    parser.add_argument("output", help="file to write, e.g. model.pt")
+    ns = parser.parse_args(argv)
+    out = convert_to_torch(ns.checkpoint, ns.output)
+    print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB)")
+
+
 def main(args: ArgsType = None) -> None:
     """Run the CLI on ``args`` (default: the command line).
 
-    ``megascale configs`` lists the shipped configs; anything else goes to LightningCLI (subcommands fit,
-    validate, test, predict).
+    ``megascale configs`` lists the shipped configs; ``megascale convert CKPT OUT`` writes a checkpoint's
+    model as one plain file; anything else goes to LightningCLI (subcommands fit, validate, test, predict).
     """
     argv = sys.argv[1:] if args is None else args
     if isinstance(argv, list) and argv[:1] == ["configs"]:
         _print_configs()
+        return
+    if isinstance(argv, list) and argv[:1] == ["convert"]:
+        _convert([str(a) for a in argv[1:]])
         return
     if isinstance(argv, list):
         resolved = _resolve_configs(argv)
