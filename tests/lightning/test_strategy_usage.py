@@ -222,3 +222,12 @@ def test_bf16_mixed_precision_trains_close_to_fp32(tmp_path):
         )
         assert worst < 5e-3, (name, worst)
         assert all(v.dtype == torch.float32 for v in result["weights"].values())
+
+
+def test_strategy_alias_is_registered():
+    from lightning.pytorch import Trainer
+
+    trainer = Trainer(
+        accelerator="cpu", devices=1, strategy="megascale", logger=False, enable_checkpointing=False
+    )
+    assert isinstance(trainer.strategy, MegaScaleStrategy)
