@@ -45,7 +45,6 @@
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -55,54 +54,23 @@ from torch import Tensor
 from torch.optim.optimizer import Optimizer, ParamsT  # ParamsT at run time: jsonargparse reads the signature
 
 from megascale.core import _optional
+from megascale.core._dtensor import ShardSpec, is_dtensor, local, shard_spec
 from megascale.core.parallel.grad_clip import all_reduce_over_shards
 
 if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
+    pass
 
 __all__ = ["LAMB"]
 
-# (mesh, mesh dimensions the tensor is Shard-ed on); None for a whole tensor.
-_ShardSpec = tuple["DeviceMesh", tuple[int, ...]]
-
 _APEX_DTYPES = (torch.float32, torch.float16)
-
-
-def _dtensor_type() -> type | None:
-    # A DTensor can only exist once torch.distributed.tensor has been imported, so there is no need to pay
-    # its ~0.6 s import for runs that never use one.
-    module = sys.modules.get("torch.distributed.tensor")
-    return None if module is None else module.DTensor
-
-
-def _is_dtensor(t: Tensor) -> bool:
-    cls = _dtensor_type()
-    return cls is not None and isinstance(t, cls)
-
-
-def _local(t: Tensor) -> Tensor:
-    # Under no_grad to_local() returns the local tensor itself: in-place updates reach the DTensor.
-    return t.to_local() if _is_dtensor(t) else t  # type: ignore[attr-defined]
-
-
-def _shard_spec(p: Tensor) -> _ShardSpec | None:
-    if not _is_dtensor(p):
-        return None
-    placements = p.placements  # type: ignore[attr-defined]
-    if any(pl.is_partial() for pl in placements):
-        raise ValueError(f"LAMB cannot update a parameter with Partial placements {placements}")
-    # Every placement other than Replicate splits the tensor over that mesh dimension. Not `is_shard()`: the
-    # _StridedShard that FSDP2 puts on the dp dimension of FSDP2 × TP parameters is no Shard (torch 2.13).
-    dims = tuple(i for i, pl in enumerate(placements) if not pl.is_replicate())
-    return (p.device_mesh, dims) if dims else None  # type: ignore[attr-defined]
 
 
 def _local_grad(p: Any) -> Tensor:
     g: Any = p.grad
     assert g is not None
-    if not _is_dtensor(p):
+    if not is_dtensor(p):
         return g
-    if not _is_dtensor(g):
+    if not is_dtensor(g):
         raise RuntimeError("a DTensor parameter has a plain-tensor gradient; LAMB needs a DTensor gradient")
     if g.placements != p.placements:
         # e.g. a Partial gradient of a replicated parameter: the update needs the full (reduced) gradient.
@@ -121,7 +89,7 @@ class _GroupWork:
     exp_avgs: list[Tensor] = field(default_factory=list)
     exp_avg_sqs: list[Tensor] = field(default_factory=list)
     steps: list[Tensor] = field(default_factory=list)
-    specs: list[_ShardSpec | None] = field(default_factory=list)
+    specs: list[ShardSpec | None] = field(default_factory=list)
     updates: list[Tensor] = field(default_factory=list)
     w_norms: list[Tensor] = field(default_factory=list)
     u_norms: list[Tensor] = field(default_factory=list)
@@ -326,7 +294,7 @@ class LAMB(Optimizer):
             if group["max_trust_ratio"] is not None:
                 return "apex FusedLAMB has no trust-ratio clamp: set max_trust_ratio=None in every group"
             for p in group["params"]:
-                if _is_dtensor(p):
+                if is_dtensor(p):
                     return (
                         "DTensor parameters need trust-ratio norms of the whole tensor; apex FusedLAMB "
                         "computes them over the local shard"
@@ -373,8 +341,8 @@ class LAMB(Optimizer):
             if p.grad.is_sparse:
                 raise RuntimeError("LAMB does not support sparse gradients")
             state = self._state(p)
-            w = _local(p)
-            m, v = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
+            w = local(p)
+            m, v = local(state["exp_avg"]), local(state["exp_avg_sq"])
             if m.shape != w.shape or v.shape != w.shape:
                 raise RuntimeError(
                     f"LAMB state of shape {tuple(m.shape)} does not match its parameter's local shape "
@@ -386,7 +354,7 @@ class LAMB(Optimizer):
             work.exp_avgs.append(m)
             work.exp_avg_sqs.append(v)
             work.steps.append(state["step"])
-            work.specs.append(_shard_spec(p))
+            work.specs.append(shard_spec(p))
         return work
 
     @torch.no_grad()

@@ -104,6 +104,19 @@ def _position_major(gathered: torch.Tensor, tp: int) -> torch.Tensor:
 # written in place through _by_position views.
 
 
+def _weight_grads(
+    grads: Sequence[torch.Tensor | None], x_rows: torch.Tensor, has_bias: Sequence[bool]
+) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
+    """Weight and bias gradients of y_i = x W_i^T + b_i, given x's rows in the order of each g_i's rows."""
+    grad_w: list[torch.Tensor | None] = []
+    grad_b: list[torch.Tensor | None] = []
+    for g, bias in zip(grads, has_bias):
+        g_rows = None if g is None else g.reshape(-1, g.shape[-1])
+        grad_w.append(None if g_rows is None else g_rows.t() @ x_rows)
+        grad_b.append(g_rows.sum(0) if g_rows is not None and bias else None)
+    return grad_w, grad_b
+
+
 class _AllGatherMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, chunks, n, *params):
@@ -146,12 +159,7 @@ class _AllGatherMatmul(torch.autograd.Function):
             scatters.append((off, size, out, work))
         x_work.wait()
         x_rows = _position_major(x_all, tp).view(-1, D)  # rows in sequence order, as g.view(-1, N)
-        grad_w: list[torch.Tensor | None] = []
-        grad_b: list[torch.Tensor | None] = []
-        for g, has_bias in zip(grads, ctx.has_bias):
-            g_rows = None if g is None else g.reshape(-1, g.shape[-1])
-            grad_w.append(None if g_rows is None else g_rows.t() @ x_rows)
-            grad_b.append(g_rows.sum(0) if g_rows is not None and has_bias else None)
+        grad_w, grad_b = _weight_grads(grads, x_rows, ctx.has_bias)
         grad_x = x.new_empty(B, Ts, D)
         for off, size, out, work in scatters:
             work.wait()
@@ -177,13 +185,7 @@ class _CopyMatmul(torch.autograd.Function):
         grad_x = grad_x if isinstance(grad_x, torch.Tensor) else torch.zeros_like(x)
         grad_x = grad_x.contiguous()
         work = dist.all_reduce(grad_x, group=ctx.group, async_op=ctx.overlap)
-        x_rows = x.reshape(-1, x.shape[-1])
-        grad_w: list[torch.Tensor | None] = []
-        grad_b: list[torch.Tensor | None] = []
-        for g, has_bias in zip(grads, ctx.has_bias):
-            g_rows = None if g is None else g.reshape(-1, g.shape[-1])
-            grad_w.append(None if g_rows is None else g_rows.t() @ x_rows)
-            grad_b.append(g_rows.sum(0) if g_rows is not None and has_bias else None)
+        grad_w, grad_b = _weight_grads(grads, x.reshape(-1, x.shape[-1]), ctx.has_bias)
         if work is not None:
             work.wait()
         return grad_x, None, None, None, *grad_w, *grad_b
