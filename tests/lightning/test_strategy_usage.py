@@ -231,3 +231,19 @@ def test_strategy_alias_is_registered():
         accelerator="cpu", devices=1, strategy="megascale", logger=False, enable_checkpointing=False
     )
     assert isinstance(trainer.strategy, MegaScaleStrategy)
+
+
+def test_every_strategy_argument_is_settable_from_yaml(tmp_path):
+    import inspect
+
+    import yaml
+
+    cmd = [sys.executable, "-m", "megascale.lightning.cli", "fit", "--config", "tp2_dp2_cpu.yaml",
+           "--trainer.strategy.init_args.zero_stage", "3", "--print_config"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    strategy = yaml.safe_load(proc.stdout)["trainer"]["strategy"]
+    assert strategy["class_path"] == "megascale.lightning.MegaScaleStrategy"
+    assert strategy["init_args"]["zero_stage"] == 3
+    expected = set(inspect.signature(MegaScaleStrategy).parameters)
+    assert expected <= set(strategy["init_args"]), expected - set(strategy["init_args"])
