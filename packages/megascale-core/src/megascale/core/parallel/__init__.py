@@ -8,6 +8,12 @@ from megascale.core.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megascale.core.parallel.data_parallel import BucketedGradReduce
 from megascale.core.parallel.grad_clip import all_reduce_over_shards, clip_grad_norm_, grad_norm
 from megascale.core.parallel.overlap import column_parallel_matmul, row_parallel_matmul
+from megascale.core.parallel.pipeline_schedules import (
+    ScheduleDecoupled1F1B,
+    ScheduleTimeline,
+    TimelineEvent,
+    directional_p2p_groups,
+)
 from megascale.core.parallel.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -32,8 +38,11 @@ __all__ = [
     "ColumnParallelLinear",
     "OptimizerStateSharding",
     "RowParallelLinear",
+    "ScheduleDecoupled1F1B",
+    "ScheduleTimeline",
     "TensorParallelLayerNorm",
     "TensorParallelRMSNorm",
+    "TimelineEvent",
     "VocabParallelCrossEntropy",
     "VocabParallelEmbedding",
     "all_reduce_over_shards",
@@ -42,6 +51,7 @@ __all__ = [
     "clip_grad_norm_",
     "column_parallel_matmul",
     "copy_to_tp_region",
+    "directional_p2p_groups",
     "gather_from_sp_region",
     "grad_norm",
     "local",
