@@ -247,3 +247,19 @@ def test_tensor_parallel_under_bf16_autocast(sp):
         assert r["loss"] == pytest.approx(r["ref"], rel=1e-2), r
         assert r["rel"] < 3e-2, r
         assert r["dtypes"] == {torch.float32}, r
+
+
+def _generate(rank: int, world_size: int) -> list[list[int]]:
+    from megascale.core import generate
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    torch.manual_seed(0)
+    ref = GPT(GPTConfig(**BASE, n_heads=4))
+    model = apply_tensor_parallel(copy.deepcopy(ref), mesh, sequence_parallel=True)
+    prompt = torch.tensor([[5, 17, 3]])  # 3 tokens: not a multiple of tp, grows one token at a time
+    return [generate(m, prompt, 5, temperature=0.0)[0].tolist() for m in (ref, model)]
+
+
+def test_generation_from_a_vocab_and_sequence_parallel_model():
+    for expected, got in run_distributed(_generate, 2):
+        assert got == expected

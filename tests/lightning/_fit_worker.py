@@ -78,9 +78,32 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     trainer.fit(module, datamodule=data, ckpt_path=job.get("resume_from"))
     if job.get("save_at_end"):
         trainer.save_checkpoint(job["save_at_end"])
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    options = StateDictOptions(
+        full_state_dict=True
+    )  # on every rank (cpu_offload would keep it on rank 0 only)
     weights = {k: v.float().clone() for k, v in get_model_state_dict(module, options=options).items()}
-    return {"losses": record.losses, "weights": weights}
+    # pipeline ranks hold different layers: the whole model is the union of every rank's
+    for part in _gather(weights):
+        for key, value in part.items():
+            weights.setdefault(key, value)
+    out: dict[str, Any] = {"losses": record.losses, "weights": weights}
+    # what every rank saw, not only rank 0 (pipeline stages other than the last must show the same loss)
+    out["losses_by_rank"] = _gather(record.losses)
+    if "val/loss" in trainer.callback_metrics:
+        out["val_loss"] = float(trainer.callback_metrics["val/loss"])
+    if job.get("generate"):
+        prompt = torch.tensor([job["generate"]])
+        module.eval()
+        out["generated"] = _gather(module.generate(prompt, 6, temperature=0.0)[0].tolist())
+    return out
+
+
+def _gather(value: Any) -> list[Any]:
+    if not torch.distributed.is_initialized():
+        return [value]
+    values: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(values, value)
+    return values
 
 
 def main(spec_path: str, out_path: str) -> None:

@@ -24,7 +24,7 @@ from tests.lightning._launch import fit
 LOSS_TOL = 1e-5
 WEIGHT_TOL = 2e-5
 
-CONFIG = dict(vocab_size=100, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32,
+CONFIG = dict(vocab_size=100, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=32,
               pad_vocab_to_multiple_of=64, parallel_block=True, sliding_window=8, full_attention_every=2)  # fmt: skip
 # decay_steps fixed: it would otherwise follow each run's max_steps, and a 3-step run saved for resuming would
 # have decayed its learning rate over 3 steps instead of the whole run's
@@ -60,10 +60,25 @@ WORLD4 = {
     "tp2×dp2/zero2": (dict(tp=2, zero_stage=2), 2),
     "tp2×dp2/zero3": (dict(tp=2, zero_stage=3), 2),
 }
+# pipeline layouts (overlap flags concern tp/dp communication: run with the defaults)
+PIPELINE2 = {
+    "pp2 1f1b": (dict(pp=2), 1),
+    "pp2 gpipe M=4": (dict(pp=2, schedule="gpipe", num_microbatches=4), 1),
+    "pp2 interleaved V=2": (dict(pp=2, schedule="interleaved", virtual_stages=2, num_microbatches=4), 1),
+}
+PIPELINE4 = {
+    "pp4": (dict(pp=4, num_microbatches=4), 1),
+    "tp2×pp2": (dict(tp=2, pp=2), 1),
+    "pp2×dp2/zero1": (dict(pp=2, zero_stage=1), 2),
+    "pp2×dp2/zero2": (dict(pp=2, zero_stage=2), 2),
+}
 
 
 def _compare(result: dict, reference: dict, name: str, losses: bool = True) -> None:
     assert len(result["losses"]) == len(reference["losses"]), name
+    for rank, seen in enumerate(result.get("losses_by_rank", [])):
+        # what every rank's callbacks and loggers see: the global loss, not a local or a placeholder one
+        assert seen == result["losses"], f"{name}: rank {rank} logged {seen}, rank 0 {result['losses']}"
     for step, (got, want) in enumerate(zip(result["losses"], reference["losses"])):
         if losses:
             assert got == pytest.approx(want, abs=LOSS_TOL), (
@@ -86,6 +101,8 @@ def reference(tmp_path_factory) -> dict:
 def test_every_two_rank_layout_matches_one_process(reference, tmp_path):
     jobs = [job(f"{name} overlap={on}", {**kw, **overlap(on)}, dp) for name, (kw, dp) in WORLD2.items() for on in (True, False)]  # fmt: skip
     jobs.append(job("dp2/zero1 accumulate=2", dict(zero_stage=1), 2, accumulate=2))
+    jobs += [job(name, kw, dp) for name, (kw, dp) in PIPELINE2.items()]
+    jobs.append(job("pp2 accumulate=2", dict(pp=2), 1, accumulate=2))
     results = fit(jobs, 2, tmp_path)
     for name, result in results.items():
         # with gradient accumulation Lightning logs each micro-batch's loss (half the global batch here):
@@ -95,6 +112,7 @@ def test_every_two_rank_layout_matches_one_process(reference, tmp_path):
 
 def test_every_four_rank_layout_matches_one_process(reference, tmp_path):
     jobs = [job(f"{name} overlap={on}", {**kw, **overlap(on)}, dp) for name, (kw, dp) in WORLD4.items() for on in (True, False)]  # fmt: skip
+    jobs += [job(name, kw, dp) for name, (kw, dp) in PIPELINE4.items()]
     results = fit(jobs, 4, tmp_path)
     for name, result in results.items():
         _compare(result, reference["single"], name)
@@ -113,3 +131,27 @@ def test_checkpoints_continue_identically_across_layouts(reference, tmp_path):
     tail = {"losses": uninterrupted["losses"][3:], "weights": uninterrupted["weights"]}
     for name, result in resumed.items():
         _compare(result, tail, f"resumed under {name}")
+
+
+def test_pipeline_checkpoints_continue_identically_under_other_layouts(reference, tmp_path):
+    """Saved after 3 steps at pp2, resumed at pp1 (one process) and at tp2: the uninterrupted run's steps."""
+    ckpt = str(tmp_path / "pp2-step3.ckpt")
+    fit([job("save", dict(pp=2), 1, steps=3, save_at_end=ckpt)], 2, tmp_path)
+    resumed = fit([job("tp2", dict(tp=2), 1, steps=6, resume_from=ckpt)], 2, tmp_path / "a")
+    resumed |= fit([job("pp1", dict(), 1, steps=6, resume_from=ckpt)], 1, tmp_path / "b")
+    uninterrupted = reference["single-6"]
+    tail = {"losses": uninterrupted["losses"][3:], "weights": uninterrupted["weights"]}
+    for name, result in resumed.items():
+        _compare(result, tail, f"pp2 checkpoint resumed under {name}")
+
+
+def test_pipeline_validation_and_generation(tmp_path):
+    """Validation loss and greedy generation with pp > 1 equal one process's, on every rank."""
+    extra = dict(trainer=dict(max_steps=5, gradient_clip_val=0.05, limit_val_batches=2, val_check_interval=5),
+                 generate=[5, 17, 3])  # fmt: skip
+    reference = fit([{**job("one", None, 1), **extra}], 1, tmp_path / "ref")["one"]
+    results = fit([{**job("pp2", dict(pp=2), 1), **extra}], 2, tmp_path / "a")
+    results |= fit([{**job("tp2×pp2", dict(tp=2, pp=2), 1), **extra}], 4, tmp_path / "b")
+    for name, result in results.items():
+        assert result["val_loss"] == pytest.approx(reference["val_loss"], abs=LOSS_TOL), name
+        assert all(g == reference["generated"][0] for g in result["generated"]), (name, result["generated"])

@@ -31,7 +31,12 @@ from tests.lightning.test_strategy import CONFIG, _compare, job
         (dict(zero_stage=4), "ZeRO stages are 0 (replicate), 1"),
         (dict(zero_stage=-1), "zero_stage=-1"),
         (dict(tp=0), "tp=0"),
-        (dict(pp=2), "pipeline parallelism is not available yet"),
+        (dict(pp=2, zero_stage=3), "ZeRO-3 would gather every stage's parameters again"),
+        (dict(pp=2, virtual_stages=2), "virtual_stages=2 needs schedule='interleaved'"),
+        (dict(pp=2, schedule="interleaved"), "needs virtual_stages >= 2"),
+        (dict(pp=4, num_microbatches=2), "num_microbatches=2 < pp=4"),
+        (dict(pp=2, schedule="interleaved", virtual_stages=2, num_microbatches=3), "not a multiple of pp=2"),
+        (dict(pp=2, schedule="zb"), "must be one of ('gpipe', '1f1b', 'interleaved')"),
         (dict(activation_checkpointing="some"), "'none', 'full' or 'selective'"),
     ],
 )
@@ -60,6 +65,24 @@ def test_layouts_that_do_not_fit_are_refused_before_any_collective(world, tp, co
     module = GPTModule(GPTConfig(**{**CONFIG, **config}))
     with pytest.raises(ValueError, match="tp") as info:
         MegaScaleStrategy(tp=tp).validate_layout(world, module)
+    assert message in str(info.value)
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize(
+    ("strategy", "config", "message"),
+    [
+        (dict(pp=4, num_microbatches=4), dict(n_layers=3), "4 pipeline stages but the model has only 3 blocks"),
+        (dict(pp=2, schedule="interleaved", virtual_stages=4, num_microbatches=4), dict(n_layers=4),
+         "8 pipeline stages but the model has only 4 blocks"),
+        (dict(pp=2, pipeline_split=[1, 2]), dict(n_layers=4), "pipeline_split=[1, 2] must give 2"),
+        (dict(pp=2), dict(tie_embeddings=True), "tie_embeddings=True with pp > 1"),
+    ],
+)  # fmt: skip
+def test_pipeline_layouts_that_do_not_fit_the_model_are_refused(strategy, config, message):
+    module = GPTModule(GPTConfig(**{**CONFIG, **config}))
+    with pytest.raises(ValueError, match=r"pipeline|tie_embeddings") as info:
+        MegaScaleStrategy(**strategy).validate_layout(4, module)
     assert message in str(info.value)
     assert not dist.is_initialized()
 
@@ -247,3 +270,16 @@ def test_every_strategy_argument_is_settable_from_yaml(tmp_path):
     assert strategy["init_args"]["zero_stage"] == 3
     expected = set(inspect.signature(MegaScaleStrategy).parameters)
     assert expected <= set(strategy["init_args"]), expected - set(strategy["init_args"])
+
+
+def test_a_rank_dying_mid_pipeline_ends_the_run_within_the_timeout(tmp_path):
+    """Rank 1 (the last stage) exits abruptly during step 2: rank 0, waiting inside the schedule for its
+    gradients, must fail (gloo reports the closed connection, else the collective timeout fires) instead of
+    hanging forever."""
+    import time
+
+    dying = job("pp2 dies", dict(pp=2, timeout_s=20), 1, steps=6, die_at={"rank": 1, "step": 2})
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="fit failed"):
+        fit([dying], 2, tmp_path, timeout=120)
+    assert time.monotonic() - start < 90

@@ -275,7 +275,9 @@ class GPTModule(LightningModule):
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         # each tensor counted once whether plain, tensor-parallel or ZeRO-sharded; the same on every rank
-        norm = grad_norm(self.parameters())
+        # pipeline stages hold different parameters: the strategy names the group to sum their norms over
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        norm = grad_norm(self.parameters(), sum_group=getattr(strategy, "gradient_norm_group", None))
         self.log("train/grad_norm", _plain(norm).detach().float(), on_step=True, on_epoch=False)
 
     # -- optimisation -----------------------------------------------------------------------------------------

@@ -31,9 +31,11 @@ SUPPORTED = ("32-true", "bf16-mixed")
 
 class _GlobalNormClipping:
     before_optimizer_step: Callable[[Optimizer], None] | None = None
+    grad_norm_group: Any = None  # pipeline ranks hold different parameters: their norms are summed over it
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
-        clip_grad_norm_(self.main_params(optimizer), clip_val)  # type: ignore[attr-defined]
+        params = self.main_params(optimizer)  # type: ignore[attr-defined]
+        clip_grad_norm_(params, clip_val, sum_group=self.grad_norm_group)
 
     def _wrap_closure(self, model: LightningModule, optimizer: Steppable, closure: Callable[[], Any]) -> Any:
         result = super()._wrap_closure(model, optimizer, closure)  # type: ignore[misc]  # step, backward, clip

@@ -6,12 +6,18 @@ the process group and builds one DeviceMesh ("dp", "pp", "tp"; see ``megascale.c
 functions of megascale-core, always in this order:
 
 1. tensor (+ sequence) parallelism on the "tp" mesh — first, because it decides what each parameter is;
-2. materialisation of a meta-device model (``to_empty`` + ``init_weights``: same weights in every layout);
-3. activation checkpointing — wraps the already-split blocks, so recomputation replays their collectives;
-4. pipeline stages (pp > 1; not yet available);
+2. pipeline split on the "pp" mesh (pp > 1): each rank keeps only its stages' layers — still on the meta
+   device, so no rank ever materialises the whole model;
+3. materialisation (``to_empty`` + ``init_weights``: the same weights as a single process, in every layout);
+4. activation checkpointing — wraps the already-split blocks, so recomputation replays their collectives;
 5. ZeRO on the "dp" mesh — last, because it shards whatever parameters the steps above produced:
    stage 0/1 megascale's bucketed gradient all-reduce (+ optimizer-state sharding for 1),
-   stage 2/3 FSDP2 (``megascale.core.parallel.fsdp``).
+   stage 2/3 FSDP2 (``megascale.core.parallel.fsdp``; with pp > 1 each pipeline stage is an FSDP root);
+6. the pipeline schedule over the finished stage modules, attached to the GPT.
+
+With pp > 1 one Lightning ``training_step`` is one global batch: the GPT's forward runs the schedule over
+``num_microbatches`` microbatches, backward included (so ``backward`` here does nothing more), and returns the
+last stage's loss, broadcast so every rank logs it.
 
 A LightningModule without a GPT can use the strategy too: its ``configure_model`` applies its own tensor
 parallel plan with ``self.device_mesh["tp"]`` (e.g. DTensor's ``parallelize_module``); the strategy then
@@ -55,6 +61,13 @@ from megascale.core.parallel import apply_activation_checkpointing, apply_tensor
 from megascale.core.parallel.data_parallel import BucketedGradReduce
 from megascale.core.parallel.fsdp import FSDPUnits, apply_fsdp
 from megascale.core.parallel.mesh import ParallelDims
+from megascale.core.parallel.pipeline import (
+    Pipeline,
+    StageModule,
+    apply_pipeline,
+    build_pipeline,
+    check_pipeline,
+)
 from megascale.core.parallel.zero import OptimizerStateSharding
 from megascale.lightning import checkpoint_io
 from megascale.lightning.precision import to_megascale_precision
@@ -72,9 +85,15 @@ class MegaScaleStrategy(ParallelStrategy):
 
     Args:
         tp: tensor-parallel size (ranks splitting every layer; keep it within a node).
-        pp: pipeline-parallel size (1 for now; pipeline schedules arrive with the next release).
+        pp: pipeline-parallel size (ranks each holding a run of layers).
+        num_microbatches: microbatches per step with pp > 1 (default pp); each rank's batch is split into them.
+        schedule: pipeline schedule: "1f1b" (megascale's decoupled 1F1B), "interleaved" (needs
+            virtual_stages ≥ 2) or "gpipe".
+        virtual_stages: stages per pipeline rank (interleaved schedule): the bubble shrinks by this factor.
+        pipeline_split: blocks per stage (pp · virtual_stages numbers); default: as even as possible.
         zero_stage: 0 replicate everything (DDP-like); 1 shard optimizer state; 2 also gradients;
-            3 also parameters. Stages 2/3 run on FSDP2.
+            3 also parameters. Stages 2/3 run on FSDP2; stage 3 is refused with pp > 1 (it would gather the
+            parameters again for every microbatch).
         sequence_parallel: with tp > 1, run norms, dropout and residuals on sequence shards.
         overlap_tp_comm: split the TP all-gathers/reduce-scatters into chunks overlapped with the GEMMs.
         tp_comm_chunks: how many chunks.
@@ -97,6 +116,10 @@ class MegaScaleStrategy(ParallelStrategy):
         self,
         tp: int = 1,
         pp: int = 1,
+        num_microbatches: int | None = None,
+        schedule: Literal["1f1b", "interleaved", "gpipe"] = "1f1b",
+        virtual_stages: int = 1,
+        pipeline_split: list[int] | None = None,
         zero_stage: int = 1,
         sequence_parallel: bool = True,
         overlap_tp_comm: bool = True,
@@ -129,11 +152,19 @@ class MegaScaleStrategy(ParallelStrategy):
                 f"MegaScaleStrategy(zero_stage={zero_stage!r}): ZeRO stages are 0 (replicate), 1 (shard "
                 "optimizer state), 2 (+ gradients) and 3 (+ parameters)"
             )
-        if pp > 1:
+        if zero_stage == 3 and pp > 1:
             raise ValueError(
-                f"MegaScaleStrategy(pp={pp}): pipeline parallelism is not available yet; use pp=1 "
-                "(tensor and data parallelism)"
+                f"MegaScaleStrategy(zero_stage=3, pp={pp}): ZeRO-3 would gather every stage's parameters again "
+                "for each microbatch; use zero_stage=2 (gradients and optimizer state sharded) with pipelines"
             )
+        self.num_microbatches = pp if num_microbatches is None else num_microbatches
+        self.schedule, self.virtual_stages, self.pipeline_split = schedule, virtual_stages, pipeline_split
+        if pp > 1 or virtual_stages > 1:
+            # what can be checked without the model (block counts are checked in validate_layout)
+            check_pipeline(
+                max(pp * virtual_stages, sum(pipeline_split or [])), pp, schedule=schedule,
+                virtual_stages=virtual_stages, num_microbatches=self.num_microbatches,
+            )  # fmt: skip
         if activation_checkpointing not in ("none", "full", "selective"):
             raise ValueError(
                 f"activation_checkpointing={activation_checkpointing!r} must be 'none', 'full' or 'selective'"
@@ -157,6 +188,9 @@ class MegaScaleStrategy(ParallelStrategy):
         self._mesh: DeviceMesh | None = None
         self._grad_reduce: BucketedGradReduce | None = None
         self._fsdp_units: list[FSDPUnits] = []
+        self._pipeline: Pipeline | None = None
+        self._step_done = True  # the last optimizer step consumed the gradients: zero them before the next
+        self._set_aside: list[tuple[Tensor, Tensor]] = []
         self._zero1: dict[int, OptimizerStateSharding] = {}
         self._sync_grads = True
 
@@ -203,7 +237,23 @@ class MegaScaleStrategy(ParallelStrategy):
         config = getattr(module, "config", None) if module is not None else None
         if isinstance(config, GPTConfig):
             config.check_tensor_parallel(self.tp)
+            if self.pp > 1:
+                if config.tie_embeddings:
+                    raise ValueError(
+                        "tie_embeddings=True with pp > 1: the embedding (first stage) and the output projection "
+                        "(last stage) would live on different ranks; set tie_embeddings=False or pp=1"
+                    )
+                check_pipeline(
+                    config.n_layers, self.pp, schedule=self.schedule, virtual_stages=self.virtual_stages,
+                    num_microbatches=self.num_microbatches, split=self.pipeline_split,
+                )  # fmt: skip
         return dims
+
+    @property
+    def gradient_norm_group(self) -> dist.ProcessGroup | None:
+        """The group over which ranks hold different parameters (pipeline stages): a global gradient norm
+        sums its parts over it. None without pipeline parallelism."""
+        return self.device_mesh["pp"].get_group() if self.dims.pp > 1 else None
 
     # ---- environment and setup ----------------------------------------------------------------------
 
@@ -263,6 +313,7 @@ class MegaScaleStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         self.precision_plugin = to_megascale_precision(self.precision_plugin)
         self.precision_plugin.before_optimizer_step = self._before_optimizer_step  # type: ignore[attr-defined]
+        self.precision_plugin.grad_norm_group = self.gradient_norm_group  # type: ignore[attr-defined]
         self._parallelize(self.model)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -307,13 +358,29 @@ class MegaScaleStrategy(ParallelStrategy):
                     "no megascale GPT and its configure_model() applied no tensor-parallel plan. Split your model "
                     "over self.device_mesh['tp'] in configure_model(), or use tp=1."
                 )
-        self._materialize(module, gpts)  # 2.
-        if self.activation_checkpointing != "none":  # 3.
+        stage_modules: list[StageModule] = []
+        if dims.pp > 1:  # 2. pipeline split, before anything is allocated
+            if len(gpts) != 1:
+                raise ValueError(
+                    f"MegaScaleStrategy(pp={dims.pp}) needs exactly one megascale GPT in the LightningModule "
+                    f"(found {len(gpts)}): pipeline parallelism cuts that model's layers into stages"
+                )
+            stage_modules = apply_pipeline(
+                gpts[0], mesh["pp"], schedule=self.schedule, num_microbatches=self.num_microbatches,
+                virtual_stages=self.virtual_stages, split=self.pipeline_split,
+            )  # fmt: skip
+        self._materialize(module, gpts)  # 3.
+        if self.activation_checkpointing != "none":  # 4.
             for gpt in gpts:
                 apply_activation_checkpointing(gpt, self.activation_checkpointing)
-        # 4. pipeline stages: pp > 1 is refused in __init__ until pipeline parallelism lands
         self._broadcast_replicas(module)
-        self._apply_zero(module, gpts)  # 5.
+        self._apply_zero(module, gpts, stage_modules)  # 5.
+        if stage_modules:  # 6.
+            self._pipeline = build_pipeline(
+                gpts[0], stage_modules, mesh["pp"], schedule=self.schedule,
+                num_microbatches=self.num_microbatches, virtual_stages=self.virtual_stages,
+                device=self.root_device,
+            )  # fmt: skip
 
     def _materialize(self, module: nn.Module, gpts: list[GPT]) -> None:
         device = self.root_device
@@ -343,17 +410,19 @@ class MegaScaleStrategy(ParallelStrategy):
             for tensor in [*module.parameters(), *module.buffers()]:
                 dist.broadcast(local(tensor), src=src, group=group)
 
-    def _apply_zero(self, module: nn.Module, gpts: list[GPT]) -> None:
+    def _apply_zero(self, module: nn.Module, gpts: list[GPT], stage_modules: list[StageModule]) -> None:
         dims = self.dims
         if dims.dp == 1:
             return
         dp_mesh = self.device_mesh["dp"]
         if self.zero_stage >= 2:
             bf16 = getattr(self.precision_plugin, "precision", "") == "bf16-mixed"
-            for gpt in gpts:
+            # with a pipeline the schedule calls the stage modules: they are the FSDP roots
+            roots: list[GPT | StageModule] = list(stage_modules) if stage_modules else list(gpts)
+            for root in roots:
                 self._fsdp_units.append(
                     apply_fsdp(
-                        gpt,
+                        root,
                         dp_mesh,
                         stage=self.zero_stage,
                         param_dtype=torch.bfloat16 if bf16 else None,
@@ -373,6 +442,8 @@ class MegaScaleStrategy(ParallelStrategy):
                 dp_mesh.get_group(),
                 bucket_size_mb=self.bucket_size_mb,
                 overlap=self.overlap_grad_reduce,
+                # a pipeline step accumulates every gradient once per microbatch
+                accumulations=self.num_microbatches if stage_modules else 1,
             )
 
     # ---- training step ------------------------------------------------------------------------------
@@ -392,6 +463,41 @@ class MegaScaleStrategy(ParallelStrategy):
         finally:
             self._sync_grads = True
 
+    # With a pipeline, training_step runs every microbatch's backward (inside the schedule). Lightning's
+    # automatic optimization zero-grads *between* training_step and backward, which would wipe those
+    # gradients, and would not have cleared the previous step's before the schedule accumulated onto them.
+    # So: zero before the first schedule of a step, set the gradients aside across Lightning's zero_grad,
+    # and give them back in backward (where Lightning's own backward has nothing left to do).
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is None:
+            return super().training_step(*args, **kwargs)
+        assert self.model is not None and self.lightning_module is not None
+        # Lightning divides the loss by accumulate_grad_batches before its backward; ours runs in the schedule
+        self._pipeline.loss_scale = 1.0 / self.lightning_module.trainer.accumulate_grad_batches
+        if self._step_done:
+            for p in self.model.parameters():
+                p.grad = None
+            self._step_done = False
+        output = super().training_step(*args, **kwargs)
+        self._set_aside = [(p, p.grad) for p in self.model.parameters() if p.grad is not None]
+        for param, _ in self._set_aside:
+            param.grad = None
+        return output
+
+    @override
+    def backward(
+        self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
+    ) -> Tensor:
+        if self._pipeline is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        for param, grad in self._set_aside:
+            param.grad = grad
+        self._set_aside = []
+        self.post_backward(closure_loss)
+        return closure_loss
+
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
         if self._grad_reduce is not None and self._sync_grads:
@@ -405,6 +511,7 @@ class MegaScaleStrategy(ParallelStrategy):
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         result = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._step_done = True
         sharding = self._zero1.get(id(getattr(optimizer, "_optimizer", optimizer)))
         if sharding is not None:
             sharding.broadcast_updated()

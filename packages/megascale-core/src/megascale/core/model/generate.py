@@ -21,9 +21,21 @@ def generate(
     """Extend ``prompt`` (B, T) by ``max_new_tokens`` sampled tokens; temperature 0 = greedy."""
     tokens = prompt
     vocab = model.config.vocab_size
+    # a split model may need the sequence length to be a multiple (sequence parallelism) and hold only its
+    # vocabulary shard of the logits (vocabulary parallelism): pad on the right, where a causal model cannot
+    # see it, and gather the vocabulary
+    multiple = getattr(model, "sequence_multiple", 1)
+    gather = getattr(model.loss_fn, "gather_logits", None)
     for _ in range(max_new_tokens):
         context = tokens[:, -model.config.max_seq_len :]
-        logits = model(context)[:, -1, :vocab].float()  # padded columns are never sampled
+        length = context.shape[1]
+        pad = -length % multiple
+        if pad:
+            context = torch.cat([context, context[:, -1:].expand(-1, pad)], dim=1)
+        logits = model(context)[:, length - 1]
+        if gather is not None:
+            logits = gather(logits)
+        logits = logits[:, :vocab].float()  # padded vocabulary columns are never sampled
         if temperature == 0:
             nxt = logits.argmax(dim=-1, keepdim=True)
         else:

@@ -73,6 +73,10 @@ class GPT(nn.Module):
     model was split (tensor parallel, pipeline stages, FSDP).
     """
 
+    embed: TokenEmbedding | None  # None on pipeline ranks that hold no first stage
+    head: LMHead | None  # None on pipeline ranks that hold no last stage
+    sequence_multiple: int = 1  # sequence lengths must be multiples of this (sequence parallelism sets tp)
+
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config
@@ -87,11 +91,11 @@ class GPT(nn.Module):
         # Drawn now, used whenever the weights are materialised: a model built on the meta device and
         # initialised later (after it was split) gets the weights a direct build gets.
         self.init_seed = int(torch.randint(0, 2**62, (), dtype=torch.int64, device="cpu").item())
-        if self.embed.weight.device.type != "meta":
+        if self.rope.cos.device.type != "meta":
             self.init_weights()
 
     def _tie_weights(self) -> None:
-        if self.config.tie_embeddings:
+        if self.config.tie_embeddings and self.embed is not None and self.head is not None:
             self.head.proj["logits"].weight = self.embed.weight
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
@@ -102,17 +106,24 @@ class GPT(nn.Module):
         return out
 
     def layers(self) -> list[nn.Module]:
-        """The model in order, as a pipeline cuts it: embedding, each block, head (final norm + logits)."""
-        return [self.embed, *self.blocks.values(), self.head]
+        """The model in order, as a pipeline cuts it: embedding, each block, head (final norm + logits)
+        (those this model holds: a pipeline rank keeps only its stages' layers)."""
+        return [m for m in (self.embed, *self.blocks.values(), self.head) if m is not None]
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        if tokens.shape[-1] > self.config.max_seq_len:
+        """Logits (B, T, vocab) of ``tokens`` (B, T), or the mean loss against ``targets``.
+
+        A model holding only some layers (a pipeline rank) computes its slice: hidden states in and/or out.
+        """
+        if tokens.shape[1] > self.config.max_seq_len:
             raise ValueError(
-                f"sequence of {tokens.shape[-1]} tokens is longer than max_seq_len={self.config.max_seq_len}"
+                f"sequence of {tokens.shape[1]} tokens is longer than max_seq_len={self.config.max_seq_len}"
             )
-        x = self.embed(tokens)
+        x = tokens if self.embed is None else self.embed(tokens)
         for block in self.blocks.values():
             x = block(x)
+        if self.head is None:
+            return x
         logits = self.head(x)
         return logits if targets is None else self.loss_fn(logits, targets)
 
@@ -133,7 +144,7 @@ class GPT(nn.Module):
         std, out_scale = self.config.init_std, 1 / math.sqrt(2 * self.config.n_layers)
         for prefix, module in self.named_modules():
             for name, param in module.named_parameters(prefix=prefix, recurse=False):
-                if param is self.embed.weight and module is not self.embed:
+                if self.embed is not None and param is self.embed.weight and module is not self.embed:
                     continue  # a tied output projection: initialised as the embedding
                 if isinstance(module, (RMSNorm, LayerNorm)):
                     _fill_(param, 1.0 if name.endswith("weight") else 0.0)
@@ -149,7 +160,7 @@ class GPT(nn.Module):
         seen: set[int] = set()
         total = 0
         for p in self.parameters():
-            if id(p) in seen or (exclude_embedding and p is self.embed.weight):
+            if id(p) in seen or (exclude_embedding and self.embed is not None and p is self.embed.weight):
                 continue
             seen.add(id(p))
             total += p.numel()

@@ -84,6 +84,9 @@ class BucketedGradReduce:
             reduce every bucket in ``finish()`` (False).
         reduce_dtype: dtype of the sum; None for the gradients' own dtype. The fp32 default keeps bf16
             gradients from losing precision in the sum.
+        accumulations: how many times each gradient is accumulated in one synchronised backward — one per
+            microbatch when a pipeline schedule runs several backward passes per step; a bucket is launched
+            after the last of them.
     """
 
     def __init__(
@@ -94,9 +97,13 @@ class BucketedGradReduce:
         bucket_size_mb: float = 25.0,
         overlap: bool = True,
         reduce_dtype: torch.dtype | None = torch.float32,
+        accumulations: int = 1,
     ) -> None:
         if bucket_size_mb <= 0:
             raise ValueError(f"bucket_size_mb must be > 0, got {bucket_size_mb}")
+        if accumulations < 1:
+            raise ValueError(f"accumulations must be >= 1, got {accumulations}")
+        self.accumulations = accumulations
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.overlap = overlap
@@ -113,7 +120,7 @@ class BucketedGradReduce:
         self._bucket_of: dict[int, int] = {
             id(p): b for b, bucket in enumerate(self.buckets) for p in bucket.params
         }
-        self._ready: set[int] = set()
+        self._arrived: dict[int, int] = {}  # id(param) -> gradient accumulations seen in this backward
         self._handles: list[Any] = []
         if overlap:
             self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in unique]
@@ -147,13 +154,16 @@ class BucketedGradReduce:
             return  # accumulating locally (no_sync): the last backward reduces the sums
         b = self._bucket_of[id(p)]
         bucket = self.buckets[b]
-        if bucket.work is not None or id(p) in self._ready:
+        arrived = self._arrived.get(id(p), 0) + 1
+        if bucket.work is not None or arrived > self.accumulations:
             raise RuntimeError(
                 "a gradient arrived for a parameter whose bucket was already reduced or marked ready: call "
                 "finish() after each synchronised backward, and run all but the last backward of an "
                 "accumulation inside no_sync()"
             )
-        self._ready.add(id(p))
+        self._arrived[id(p)] = arrived
+        if arrived < self.accumulations:
+            return
         bucket.ready += 1
         if bucket.ready == len(bucket.params):
             self._launch_ready()
@@ -205,7 +215,7 @@ class BucketedGradReduce:
     def _reset(self) -> None:
         for bucket in self.buckets:
             bucket.ready, bucket.flat, bucket.work = 0, None, None
-        self._ready.clear()
+        self._arrived.clear()
         self._next_launch = 0
 
     @contextmanager

@@ -30,6 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from megascale.core.model.gpt import GPT
+from megascale.core.parallel.pipeline import StageModule
 
 __all__ = ["FSDPUnits", "apply_fsdp"]
 
@@ -65,7 +66,7 @@ def _group_blocks(blocks: list[nn.Module], bucket_bytes: float) -> list[list[nn.
 
 
 def apply_fsdp(
-    model: GPT,
+    model: GPT | StageModule,
     dp_mesh: DeviceMesh,
     *,
     stage: int,
@@ -76,6 +77,9 @@ def apply_fsdp(
     prefetch: bool = True,
 ) -> FSDPUnits:
     """Shard ``model`` (already tensor-parallel, if at all) over ``dp_mesh`` as ZeRO ``stage`` 2 or 3.
+
+    ``model`` is a GPT, or one pipeline stage of it (a ``StageModule``, which then becomes the FSDP root: the
+    pipeline schedule calls stages, not the GPT).
 
     Args:
         param_dtype: compute dtype of the gathered parameters (bf16 for mixed precision); the sharded
@@ -94,9 +98,9 @@ def apply_fsdp(
     }
     units: list[FSDPModule] = []
     if overlap_grad_reduce:
-        groups: list[list[nn.Module]] = [[model.embed]]
+        groups: list[list[nn.Module]] = [[model.embed]] if model.embed is not None else []
         groups += _group_blocks(list(model.blocks.values()), bucket_size_mb * 2**20)
-        groups += [[model.head]]
+        groups += [[model.head]] if model.head is not None else []
         for group in groups:
             # a list becomes one unit (one parameter group) whose modules share its state: keep the first
             sharded = fully_shard(group, **kwargs) if len(group) > 1 else [fully_shard(group[0], **kwargs)]

@@ -220,6 +220,12 @@ class VocabParallelCrossEntropy(_OnTPMesh, NextTokenLoss):
         self.mesh = mesh
         self.vocab_start = mesh.get_local_rank() * (padded_vocab_size // mesh.size())
 
+    def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The whole vocabulary's logits from every rank's columns (..., V/tp) → (..., V): for sampling."""
+        parts = [torch.empty_like(logits) for _ in range(self.mesh.size())]
+        dist.all_gather(parts, logits.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
     def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return vocab_parallel_cross_entropy(
             logits,
@@ -276,6 +282,8 @@ def apply_tensor_parallel(
             return VocabParallelCrossEntropy(module, tp_mesh, model.config.padded_vocab_size)
         return None
 
+    # token counts must be multiples of tp under sequence parallelism (generation pads to it)
+    model.sequence_multiple = tp if sequence_parallel else 1
     # The embedding goes first so a tied output projection finds its weight already distributed.
     targets = sorted(
         ((name, m) for name, m in model.named_modules() if name), key=lambda nm: nm[1] is not model.embed
