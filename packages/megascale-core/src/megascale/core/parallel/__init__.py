@@ -8,12 +8,6 @@ from megascale.core.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megascale.core.parallel.data_parallel import BucketedGradReduce
 from megascale.core.parallel.grad_clip import all_reduce_over_shards, clip_grad_norm_, grad_norm
 from megascale.core.parallel.overlap import column_parallel_matmul, row_parallel_matmul
-from megascale.core.parallel.pipeline_schedules import (
-    ScheduleDecoupled1F1B,
-    ScheduleTimeline,
-    TimelineEvent,
-    directional_p2p_groups,
-)
 from megascale.core.parallel.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -60,3 +54,21 @@ __all__ = [
     "row_parallel_matmul",
     "vocab_parallel_cross_entropy",
 ]
+
+
+# Pipeline schedules are exported lazily: torch.distributed.pipelining imports much of torch (triton
+# included where installed), which code that never builds a pipeline should not pay for.
+_LAZY = {
+    "ScheduleDecoupled1F1B": "megascale.core.parallel.pipeline_schedules",
+    "ScheduleTimeline": "megascale.core.parallel.pipeline_schedules",
+    "TimelineEvent": "megascale.core.parallel.pipeline_schedules",
+    "directional_p2p_groups": "megascale.core.parallel.pipeline_schedules",
+}
+
+
+def __getattr__(name: str) -> object:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
