@@ -91,6 +91,9 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     out["losses_by_rank"] = _gather(record.losses)
     if "val/loss" in trainer.callback_metrics:
         out["val_loss"] = float(trainer.callback_metrics["val/loss"])
+    if job.get("predict"):  # trainer.predict after fit, on the held-out windows
+        predictions = trainer.predict(module, dataloaders=data.val_dataloader())
+        out["predicted"] = torch.cat([p.float() for p in predictions]) if predictions else None
     if job.get("generate"):
         prompt = torch.tensor([job["generate"]])
         module.eval()

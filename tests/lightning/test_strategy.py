@@ -18,6 +18,7 @@ that drops a reduction, double counts a norm or mis-splits the batch moves weigh
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.lightning._launch import fit
 
@@ -145,13 +146,14 @@ def test_pipeline_checkpoints_continue_identically_under_other_layouts(reference
         _compare(result, tail, f"pp2 checkpoint resumed under {name}")
 
 
-def test_pipeline_validation_and_generation(tmp_path):
-    """Validation loss and greedy generation with pp > 1 equal one process's, on every rank."""
+def test_pipeline_validation_prediction_and_generation(tmp_path):
+    """Validation loss, trainer.predict and greedy generation with pp > 1 equal one process's, on every rank."""
     extra = dict(trainer=dict(max_steps=5, gradient_clip_val=0.05, limit_val_batches=2, val_check_interval=5),
-                 generate=[5, 17, 3])  # fmt: skip
+                 generate=[5, 17, 3], predict=True)  # fmt: skip
     reference = fit([{**job("one", None, 1), **extra}], 1, tmp_path / "ref")["one"]
     results = fit([{**job("pp2", dict(pp=2), 1), **extra}], 2, tmp_path / "a")
     results |= fit([{**job("tp2×pp2", dict(tp=2, pp=2), 1), **extra}], 4, tmp_path / "b")
     for name, result in results.items():
         assert result["val_loss"] == pytest.approx(reference["val_loss"], abs=LOSS_TOL), name
         assert all(g == reference["generated"][0] for g in result["generated"]), (name, result["generated"])
+        assert torch.allclose(result["predicted"], reference["predicted"], atol=1e-5), name

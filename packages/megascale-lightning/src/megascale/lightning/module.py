@@ -273,6 +273,23 @@ class GPTModule(LightningModule):
         self.log("val/loss", _plain(loss), prog_bar=True, sync_dist=True, batch_size=int(inputs.shape[0]))
         return loss
 
+    def test_step(self, batch: Any, batch_idx: int) -> Tensor:
+        inputs, targets = split_batch(batch)
+        loss = self.gpt(inputs, targets)
+        self.log("test/loss", _plain(loss), sync_dist=True, batch_size=int(inputs.shape[0]))
+        return loss
+
+    def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Tensor:
+        """Next-token logits (B, T, vocab_size) over the real vocabulary for the batch's inputs (a tensor, an
+        (inputs, targets) pair or a dict with ``input_ids``) — the whole vocabulary on every rank, also
+        when tensor parallelism splits it."""
+        inputs = batch if isinstance(batch, Tensor) else split_batch(batch)[0]
+        logits = self.gpt(inputs)
+        gather = getattr(self.gpt.loss_fn, "gather_logits", None)
+        if gather is not None:
+            logits = gather(logits)
+        return logits[..., : self.config.vocab_size]
+
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         # each tensor counted once whether plain, tensor-parallel or ZeRO-sharded; the same on every rank
         # pipeline stages hold different parameters: the strategy names the group to sum their norms over

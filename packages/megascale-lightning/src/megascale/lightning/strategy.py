@@ -314,7 +314,10 @@ class MegaScaleStrategy(ParallelStrategy):
         self.precision_plugin = to_megascale_precision(self.precision_plugin)
         self.precision_plugin.before_optimizer_step = self._before_optimizer_step  # type: ignore[attr-defined]
         self.precision_plugin.grad_norm_group = self.gradient_norm_group  # type: ignore[attr-defined]
-        self._parallelize(self.model)
+        # trainer.validate/predict after fit set the strategy up again: the model is split already
+        if not getattr(self.model, "_megascale_parallelized", False):
+            self._parallelize(self.model)
+            setattr(self.model, "_megascale_parallelized", True)  # noqa: B010  (nn.Module's __setattr__ typing)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
