@@ -54,7 +54,7 @@ def _states(
     state: dict[str, Any] = {MODEL_KEY: get_model_state_dict(model)}
     for i, optimizer in enumerate(optimizers):
         before_optimizer_state(optimizer)
-        state[f"optimizer_{i}"] = get_optimizer_state_dict(model, optimizer)
+        state[f"optimizer_{i}"] = get_optimizer_state_dict(model, optimizer, options=_options(True))
     return state
 
 
@@ -126,7 +126,10 @@ def load(
 def _options(strict: bool) -> Any:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    return StateDictOptions(strict=strict)
+    # flatten_optimizer_state_dict: param-group settings keyed by parameter name, not one list per rank.
+    # Pipeline stages hold different parameters, so their lists differ, and DCP would keep one rank's list
+    # for all; per-name keys merge across stages and reshard into any layout, as the states do.
+    return StateDictOptions(strict=strict, flatten_optimizer_state_dict=True)
 
 
 def convert_to_torch(checkpoint: str | Path, output: str | Path, *, module_attribute: str = "model") -> Path:

@@ -27,7 +27,12 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import (
+    PipelineStage,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleLoopedBFS,
+)
 
 from megascale.core.model.gpt import GPT, LMHead, TokenEmbedding
 
@@ -146,20 +151,28 @@ class Pipeline:
                 PipelineStage(m, s, self.num_stages, self.device, group=self.group)
                 for m, s in zip(self.stage_modules, self.stage_ids)
             ]
-            loss_fn = None if purpose == "logits" else self._scaled_loss
-            name = (
-                self.schedule_name if purpose == "train" else ("interleaved" if len(stages) > 1 else "gpipe")
-            )
-            kwargs: dict[str, Any] = {"loss_fn": loss_fn, "scale_grads": False}
+            kwargs: dict[str, Any] = {
+                "loss_fn": None if purpose == "logits" else self._scaled_loss,
+                "scale_grads": False,
+            }
+            name: str
+            if purpose == "train":
+                n, name = self.num_microbatches, self.schedule_name
+            else:  # forward only: any batch size, as many microbatches as divide it (up to the configured)
+                n = max(d for d in range(1, self.num_microbatches + 1) if shape[0] % d == 0)
+                name = "looped" if len(stages) > 1 else "gpipe"
             if name == "interleaved":
-                self._schedules[key] = ScheduleInterleaved1F1B(stages, self.num_microbatches, **kwargs)
+                self._schedules[key] = ScheduleInterleaved1F1B(stages, n, **kwargs)
+            elif name == "looped":
+                self._schedules[key] = ScheduleLoopedBFS(stages, n, **kwargs)
             elif name == "1f1b":
-                self._schedules[key] = _one_f_one_b()(stages[0], self.num_microbatches, **kwargs)
+                self._schedules[key] = _one_f_one_b()(stages[0], n, **kwargs)
             else:
-                self._schedules[key] = ScheduleGPipe(stages[0], self.num_microbatches, **kwargs)
+                self._schedules[key] = ScheduleGPipe(stages[0], n, **kwargs)
         return self._schedules[key]
 
     def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        # training only backpropagates through this; evaluation divides the scale back out of its losses
         return self._loss_fn(output, target) * (self.loss_scale / self.num_microbatches)
 
     def _check_batch(self, tokens: torch.Tensor) -> None:
@@ -172,15 +185,17 @@ class Pipeline:
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor, *, backward: bool) -> torch.Tensor:
         """Mean loss over the batch on every rank of the pipeline; with ``backward`` the gradients of every
         microbatch are accumulated into this rank's parameters (scaled by 1/num_microbatches)."""
-        self._check_batch(tokens)
+        if backward:
+            self._check_batch(tokens)
         losses: list[torch.Tensor] = []
         args = (tokens,) if self.has_first else ()
         kwargs: dict[str, Any] = {"target": targets, "losses": losses} if self.has_last else {}
+        schedule = self._schedule("train" if backward else "eval", tuple(tokens.shape))
         if backward:
-            self._schedule("train", tuple(tokens.shape)).step(*args, **kwargs)
+            schedule.step(*args, **kwargs)
         else:
-            self._schedule("eval", tuple(tokens.shape)).eval(*args, **kwargs)
-        scale = self.loss_scale / self.num_microbatches
+            schedule.eval(*args, **kwargs)
+        scale = self.loss_scale / self.num_microbatches  # what _scaled_loss multiplied by
         loss = torch.stack([x.detach().float() for x in losses]).mean() / scale if self.has_last else None
         if loss is None:
             loss = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -189,12 +204,7 @@ class Pipeline:
 
     @torch.no_grad()
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Logits of ``tokens`` (forward only), on every rank of the pipeline. A batch the microbatches do not
-        divide (generation often runs one sequence) is padded with copies of its last row, then cut back."""
-        batch = tokens.shape[0]
-        pad = -batch % self.num_microbatches
-        if pad:
-            tokens = torch.cat([tokens, tokens[-1:].expand(pad, *tokens.shape[1:])])
+        """Logits of ``tokens`` (forward only), on every rank of the pipeline."""
         out = self._schedule("logits", tuple(tokens.shape)).eval(*((tokens,) if self.has_first else ()))
         if self.has_last:
             assert isinstance(out, torch.Tensor)
@@ -206,7 +216,7 @@ class Pipeline:
             out = torch.empty(*tokens.shape, int(meta), dtype=torch.float32, device=self.device)
         logits = out.float().contiguous()
         dist.broadcast(logits, src=self.last_rank, group=self.group)
-        return logits[:batch]
+        return logits
 
     def attach(self, gpt: GPT) -> None:
         """Make ``gpt(tokens, targets)`` run this pipeline (see the module docstring)."""
