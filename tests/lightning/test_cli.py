@@ -149,7 +149,7 @@ def test_yaml_nests_the_config_and_a_datamodule_class_path(tmp_path, capsys):
 
 
 def test_shipped_configs_are_listed_located_and_packaged(capsys):
-    assert configs.names() == ["gpt_1b_8gpu.yaml", "tiny_cpu.yaml", "tp2_dp2_cpu.yaml"]
+    assert configs.names() == ["gpt_1b_8gpu.yaml", "tiny_cpu.yaml", "tp2_dp2_cpu.yaml", "tp2_pp2_cpu.yaml"]
     assert configs.path("tiny_cpu") == configs.path("tiny_cpu.yaml")
     assert configs.path("tiny_cpu.yaml").is_file()
     with pytest.raises(FileNotFoundError, match="shipped"):
