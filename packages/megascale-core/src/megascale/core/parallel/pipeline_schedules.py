@@ -403,8 +403,13 @@ class ScheduleDecoupled1F1B(PipelineScheduleSingle):
     in ``eval()`` too).
 
     Args:
-        stage, n_microbatches, loss_fn, args_chunk_spec, kwargs_chunk_spec, output_merge_spec, scale_grads:
-            as for ``Schedule1F1B``. ``n_microbatches`` must be at least the number of stages.
+        stage: this rank's ``PipelineStage``.
+        n_microbatches: microbatches per step, at least the number of stages.
+        loss_fn: called on the last stage's output and target of each microbatch.
+        args_chunk_spec: as for ``Schedule1F1B``.
+        kwargs_chunk_spec: as for ``Schedule1F1B``.
+        output_merge_spec: as for ``Schedule1F1B``.
+        scale_grads: divide gradients by ``n_microbatches`` after the step.
         recv_lookahead: how many receives of one direction are kept posted beyond the one being waited
             (≥ 1; each microbatch has its own receive buffer, so any depth is safe).
         p2p_groups: (activation group, gradient group), each spanning the stage's group's ranks in the same
