@@ -30,7 +30,7 @@ PACKAGES = {
 EXTRA_TEST_DEPS = {
     "core": [],
     "lightning": [],
-    "data": ["moto[server]>=5"],
+    "data": ["moto[server]>=5", "tokenizers>=0.19"],
     "ft": [],
 }
 DOCS_DEPS = ["mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26"]

@@ -1,0 +1,246 @@
+"""The `megascale-data` command: turn text files into WebDataset tar shards that `Source` reads.
+
+    megascale-data shard corpus/ --output s3://bucket/corpus --max-docs 10000 --split paragraph
+
+Each document becomes one sample ``{"__key__": f"{n:09d}", "txt": <utf-8 bytes>}``; shards are named
+``PREFIX-000000.tar``, ``PREFIX-000001.tar``, ... and the command prints the brace pattern naming them all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import random
+import re
+import sys
+import tarfile
+from collections.abc import Iterable, Iterator
+from typing import Any, BinaryIO
+
+from fsspec.core import url_to_fs
+from tqdm import tqdm
+
+from megascale.data.sources import open_output
+
+__all__ = ["main"]
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20}
+_UNITS |= {"g": 10**9, "gb": 10**9, "gib": 2**30}
+
+
+class UsageError(Exception):
+    """A problem with the command line or the inputs (exit code 2)."""
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``"256MB"``, ``"1GiB"``, ``"4096"``... (kB/MB/GB are powers of 1000, KiB/MiB/GiB of 1024)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if match is None or match.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 4096, 64MB, 1GiB)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def _storage_option(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key, json.loads(value)  # numbers, booleans, nested dicts such as config_kwargs={...}
+    except json.JSONDecodeError:
+        return key, value
+
+
+def _is_url(path: str) -> bool:
+    return "://" in path and not path.startswith("file://")
+
+
+def _input_files(inputs: list[str], options: dict[str, Any]) -> list[tuple[Any, str]]:
+    """(filesystem, path) of every input file: files as given, directories searched for *.txt, sorted."""
+    files: list[tuple[Any, str]] = []
+    for item in inputs:
+        fs, path = url_to_fs(item, **(options if _is_url(item) else {}))
+        if any(c in path for c in "*?["):
+            matches = sorted(fs.glob(path))
+        elif fs.isdir(path):
+            matches = sorted(p for p in fs.find(path) if p.endswith(".txt"))
+        elif fs.isfile(path):
+            matches = [path]
+        else:
+            raise UsageError(f"input {item} does not exist")
+        if not matches:
+            raise UsageError(f"input {item} holds no .txt files")
+        files += [(fs, p) for p in matches]
+    return files
+
+
+def _documents(fs: Any, path: str, split: str) -> Iterator[str]:
+    """Documents of one text file; blank documents are dropped."""
+    try:
+        with fs.open(path, "rb") as raw, io.TextIOWrapper(raw, encoding="utf-8") as f:
+            if split == "file":
+                text = f.read()
+                if text.strip():
+                    yield text
+                return
+            paragraph: list[str] = []
+            for line in f:
+                if split == "line":
+                    if line.strip():
+                        yield line.rstrip("\r\n")
+                elif line.strip():
+                    paragraph.append(line)
+                elif paragraph:
+                    yield "".join(paragraph).strip("\r\n")
+                    paragraph = []
+            if paragraph:
+                yield "".join(paragraph).strip("\r\n")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"input {path} is not UTF-8 text: {e}") from e
+
+
+class _ShardWriter:
+    """Writes samples into PREFIX-%06d.tar, starting a new shard at `max_docs` documents or `max_bytes`."""
+
+    def __init__(self, output: str, prefix: str, max_docs: int, max_bytes: int, options: dict[str, Any]):
+        self.output, self.prefix, self.options = output.rstrip("/"), prefix, options
+        self.max_docs, self.max_bytes = max_docs, max_bytes
+        self.shards = self.docs = self.bytes = 0
+        self._file: BinaryIO | None = None
+        self._tar: tarfile.TarFile | None = None
+        self._shard_docs = self._shard_bytes = 0
+
+    def shard_url(self, index: int) -> str:
+        return f"{self.output}/{self.prefix}-{index:06d}.tar"
+
+    def write(self, text: str) -> None:
+        data = text.encode("utf-8")
+        full = self._shard_docs >= self.max_docs or self._shard_bytes + len(data) > self.max_bytes
+        if self._tar is None or (self._shard_docs and full):
+            self._roll()
+        info = tarfile.TarInfo(f"{self.docs:09d}.txt")
+        # A fixed mtime: identical inputs make identical shards.
+        info.size, info.mode, info.mtime = len(data), 0o644, 0
+        assert self._tar is not None
+        self._tar.addfile(info, io.BytesIO(data))
+        self.docs, self.bytes = self.docs + 1, self.bytes + len(data)
+        self._shard_docs, self._shard_bytes = self._shard_docs + 1, self._shard_bytes + len(data)
+
+    def _roll(self) -> None:
+        self.close()
+        self._file = open_output(self.shard_url(self.shards), self.options)
+        self._tar = tarfile.open(fileobj=self._file, mode="w|")  # noqa: SIM115 - closed by close()
+        self.shards += 1
+        self._shard_docs = self._shard_bytes = 0
+
+    def close(self) -> None:
+        if self._tar is not None:
+            self._tar.close()
+        if self._file is not None:
+            self._file.close()
+        self._tar = self._file = None
+
+    def pattern(self) -> str:
+        if self.shards == 1:
+            return self.shard_url(0)
+        return f"{self.output}/{self.prefix}-{{{0:06d}..{self.shards - 1:06d}}}.tar"
+
+
+def shard(args: argparse.Namespace) -> int:
+    """The `shard` subcommand."""
+    options = dict(args.storage_option or [])
+    output = args.output if _is_url(args.output) else os.path.abspath(args.output.removeprefix("file://"))
+    files = _input_files(args.inputs, options)
+    out_fs, out_path = url_to_fs(output, **(options if _is_url(output) else {}))
+    existing = out_fs.glob(f"{out_path.rstrip('/')}/{args.prefix}-*.tar")
+    if existing and not args.overwrite:
+        raise UsageError(
+            f"{output} already holds {len(existing)} shards named {args.prefix}-*.tar: remove them, pass "
+            "--overwrite, or choose another --prefix"
+        )
+    for path in existing:
+        out_fs.rm(path)
+    docs: Iterable[str] = (doc for fs, path in files for doc in _documents(fs, path, args.split))
+    if args.shuffle:
+        docs = list(docs)
+        random.Random(args.seed).shuffle(docs)
+    writer = _ShardWriter(output, args.prefix, args.max_docs, args.max_bytes, options)
+    try:
+        for doc in tqdm(docs, desc="documents", unit="doc", file=sys.stderr, disable=None):
+            writer.write(doc)
+    finally:
+        writer.close()
+    if writer.docs == 0:
+        raise UsageError(f"the inputs hold no documents (split={args.split}): nothing written")
+    print(
+        f"wrote {writer.docs} documents ({writer.bytes} bytes) into {writer.shards} shards: {writer.pattern()}"
+    )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line parser of `megascale-data`."""
+    parser = argparse.ArgumentParser(prog="megascale-data", description="megascale data tools.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    p = commands.add_parser(
+        "shard",
+        help="write text files as WebDataset tar shards",
+        description="Write text documents as WebDataset tar shards (one 'txt' member per document).",
+    )
+    p.add_argument(
+        "inputs",
+        nargs="+",
+        metavar="INPUT",
+        help="text files, directories (*.txt, recursively), globs or fsspec URLs",
+    )
+    p.add_argument("--output", required=True, help="directory or URL (s3://bucket/dir) for the shards")
+    p.add_argument("--prefix", default="part", help="shard name prefix (default: part)")
+    p.add_argument("--max-docs", type=int, default=1000, help="documents per shard at most (default: 1000)")
+    p.add_argument(
+        "--max-bytes",
+        type=parse_size,
+        default=256 * 2**20,
+        help="text bytes per shard at most, e.g. 64MB (default: 256MiB)",
+    )
+    p.add_argument(
+        "--split",
+        choices=["file", "line", "paragraph"],
+        default="file",
+        help="one document per file (default), per non-empty line, or per paragraph (blank-line separated)",
+    )
+    p.add_argument(
+        "--shuffle",
+        action="store_true",
+        help="shuffle all documents before sharding (holds them all in memory)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of --shuffle (default: 0)")
+    p.add_argument(
+        "--storage-option",
+        action="append",
+        type=_storage_option,
+        metavar="KEY=VALUE",
+        help="fsspec option for remote inputs and output, repeatable (endpoint_url=http://..., key=..., secret=...)",
+    )
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace existing PREFIX-*.tar shards in the output"
+    )
+    p.set_defaults(func=shard)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run `megascale-data`; returns the exit code (2 for usage errors and unusable inputs)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "max_docs", 1) < 1 or getattr(args, "max_bytes", 1) < 1:
+        parser.error("--max-docs and --max-bytes must be positive")
+    try:
+        return int(args.func(args))
+    except UsageError as e:
+        print(f"{parser.prog} {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,159 @@
+"""WebLoader under bad input and failures: each gives a clear error (or a counted warning) and leaves nothing
+behind in shared memory."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from megascale.data import DataSourceError, ShardNotFoundError, Source, WebDataConfig, WebLoader
+from megascale.data.shm import PREFIX, shm_directory
+from tests.data._shards import corrupt_shard, truncate_shard, write_text_shards
+
+
+def _config(url: str, **overrides) -> WebDataConfig:
+    base = dict(sources=[Source(url)], seq_len=16, batch_size=2, num_workers=0, prefetch=2, timeout=30)
+    return WebDataConfig(**{**base, **overrides})
+
+
+def _drain(iterator, n: int) -> None:
+    for _ in range(n):
+        next(iterator)
+
+
+def _ring_files(run_id: str) -> list[Path]:
+    return list(shm_directory().glob(f"{PREFIX}-{run_id}-*"))
+
+
+@pytest.fixture
+def shards(tmp_path):
+    return write_text_shards(str(tmp_path), 4, 6, doc_chars=60, seed=4)
+
+
+@pytest.mark.parametrize("damage", [corrupt_shard, truncate_shard], ids=["corrupt", "truncated"])
+def test_a_damaged_shard_is_skipped_counted_and_warned_about(shards, tmp_path, damage):
+    url, _ = shards
+    damage(str(tmp_path / "part-000001.tar"))
+    loader = WebLoader(_config(url, lanes=1), tree=False, max_steps=60)
+    with pytest.warns(UserWarning, match="corrupt or truncated"):
+        batches = list(loader)
+    assert len(batches) == 60 and loader.stats["corrupt_shards"] >= 1
+
+
+def test_a_damaged_shard_raises_when_asked_to(shards, tmp_path):
+    url, _ = shards
+    corrupt_shard(str(tmp_path / "part-000002.tar"))
+    loader = WebLoader(_config(url, lanes=1, on_corrupt="raise", shuffle=False), run_id=uuid.uuid4().hex[:8])
+    with pytest.raises(DataSourceError, match=r"part-000002\.tar"):
+        for _ in loader:
+            pass
+    loader.close()
+
+
+def test_a_missing_shard_fails_at_start_naming_it(shards, tmp_path):
+    url, _ = shards
+    (tmp_path / "part-000003.tar").unlink()
+    with pytest.raises(ShardNotFoundError, match=r"part-000003\.tar"):
+        next(iter(WebLoader(_config(url), run_id=uuid.uuid4().hex[:8])))
+
+
+def test_an_empty_source_fails_at_start(tmp_path):
+    with pytest.raises(DataSourceError, match="no shards"):
+        next(iter(WebLoader(_config(str(tmp_path / "*.tar")), tree=False)))
+
+
+def test_an_unreachable_bucket_fails_at_start_within_seconds(s3_env):
+    source = Source("s3://nowhere/part-{0..3}.tar", storage_options={"endpoint_url": "http://127.0.0.1:9"})
+    start = time.monotonic()
+    with pytest.raises(DataSourceError, match=r"127\.0\.0\.1:9"):
+        next(iter(WebLoader(WebDataConfig(sources=[source], seq_len=8, batch_size=1), tree=False)))
+    assert time.monotonic() - start < 30
+
+
+def test_an_s3_outage_during_reading_becomes_an_error_naming_the_shard(s3_outage_server, s3_env):
+    fs = s3_outage_server.fs()
+    bucket = f"outage-{uuid.uuid4().hex[:6]}"
+    fs.call_s3("create_bucket", Bucket=bucket)
+    url, _ = write_text_shards(
+        f"s3://{bucket}", 8, 4, doc_chars=20, storage_options=s3_outage_server.storage_options
+    )  # five windows per shard: a lane opens a new shard every few steps
+    config = _config(url, lanes=2, retries=2, backoff=0.1)
+    fast_fail = {
+        "config_kwargs": {"connect_timeout": 1, "read_timeout": 2, "retries": {"total_max_attempts": 1}}
+    }
+    config.sources = [Source(url, storage_options={**s3_outage_server.storage_options, **fast_fail})]
+    run_id = uuid.uuid4().hex[:8]
+    loader = WebLoader(config, run_id=run_id)
+    it = iter(loader)
+    for _ in range(3):
+        next(it)
+    s3_outage_server.stop()
+    start = time.monotonic()
+    with pytest.raises(DataSourceError, match=rf"s3://{bucket}/part-\d+\.tar"):
+        _drain(it, 40)
+    assert time.monotonic() - start < 60
+    loader.close()
+    assert not _ring_files(run_id)
+
+
+def test_a_killed_reader_is_an_error_and_leaves_no_shared_memory(shards):
+    url, _ = shards
+    run_id = uuid.uuid4().hex[:8]
+    loader = WebLoader(_config(url), run_id=run_id)
+    it = iter(loader)
+    first = [next(it)[0] for _ in range(2)]
+    assert not _ring_files(run_id)  # unlinked as soon as every rank mapped it
+    os.kill(loader._process.pid, signal.SIGKILL)
+    with pytest.raises(DataSourceError, match="died"):
+        _drain(it, 10)
+    loader.close()
+    assert not _ring_files(run_id)
+    again = WebLoader(_config(url), run_id=run_id)  # the next run starts cleanly, from the start
+    assert all((a == b[0]).all() for a, (b, _) in zip(first, zip(again, range(2)), strict=True))
+    again.close()
+
+
+def test_a_ring_left_by_a_killed_run_is_removed_at_the_next_start(shards):
+    url, _ = shards
+    run_id = uuid.uuid4().hex[:8]
+    # a "node" that created its ring and was SIGKILLed before its ranks attached (the one window in which
+    # the ring has a name)
+    code = (
+        "import os, signal, sys; from pathlib import Path; from megascale.data.shm import ShmRing, ring_path; "
+        f"ShmRing.create(ring_path({run_id!r}, 0, os.getpid()), consumers=2, slots=2, slot_bytes=64); "
+        "os.kill(os.getpid(), signal.SIGKILL)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=False)
+    assert len(_ring_files(run_id)) == 1
+    loader = WebLoader(_config(url), run_id=run_id)
+    next(iter(loader))
+    assert not _ring_files(run_id)
+    loader.close()
+
+
+def test_a_rank_that_never_attaches_is_a_clear_error(shards):
+    url, _ = shards
+    run_id = uuid.uuid4().hex[:8]
+    loader = WebLoader(_config(url, timeout=3), run_id=run_id, local_rank=0, local_world_size=2)
+    with pytest.raises(DataSourceError, match="every local rank to attach"):
+        next(iter(loader))
+    loader.close()
+    assert not _ring_files(run_id)
+
+
+def test_resuming_with_other_data_is_refused(shards):
+    url, _ = shards
+    loader = WebLoader(_config(url), tree=False, max_steps=3)
+    list(loader)
+    state = loader.state_dict()
+    other = WebLoader(_config(url, seed=1), tree=False)
+    other.load_state_dict(state)
+    with pytest.raises(ValueError, match="other data"):
+        next(iter(other))
