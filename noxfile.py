@@ -24,14 +24,14 @@ PACKAGES = {
     "core": "packages/megascale-core[triton]",
     "lightning": "packages/megascale-lightning",
     "data": "packages/megascale-data[s3,lightning]",
-    "ft": "packages/megascale-ft[lightning]",
+    "ft": "packages/megascale-ft[lightning,s3]",
 }
 # What a package's tests need beyond the package itself (test tools, servers), never another megascale package.
 EXTRA_TEST_DEPS = {
     "core": [],
     "lightning": [],
     "data": ["moto[server]>=5", "tokenizers>=0.19"],
-    "ft": [],
+    "ft": ["moto[server]>=5"],
 }
 DOCS_DEPS = ["mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26"]
 
