@@ -38,7 +38,7 @@ prepare a batch (measured here first): --wait-easy-ratio (> 1: one worker keeps 
 --wait-step-ratio (< 1: preprocessing needs more than one core; tree with 1 worker makes the step wait, with
 2 workers it should not), and plain at that step, which needs --ranks times the cores for the same batches.
 
-    python benchmarks/data.py                                   # ~2 minutes on 2 cores
+    python benchmarks/data.py                                   # ~1.5 minutes on 2 cores
     python benchmarks/data.py --work-us 0 500 --batches 400     # several preprocessing costs
     python benchmarks/data.py --skip-wait --ranks 8             # part 1 only, 8 ranks (a GPU node)
 """
