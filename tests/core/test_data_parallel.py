@@ -23,18 +23,10 @@ import torch.distributed as dist
 from megascale.core import GPT, GPTConfig, apply_tensor_parallel
 from megascale.core.parallel import BucketedGradReduce
 from tests._dist import run_distributed
+from tests.core._tiny import TINY_GQA_GPT
 
 ATOL, RTOL = 1e-6, 1e-5
-CONFIG = dict(
-    vocab_size=60,
-    d_model=32,
-    n_layers=2,
-    n_heads=4,
-    n_kv_heads=2,
-    ffn_multiple_of=32,
-    max_seq_len=16,
-    pad_vocab_to_multiple_of=64,
-)
+CONFIG = dict(TINY_GQA_GPT)
 BUCKET_MB = 4096 / 2**20  # 4 KiB: the tiny GPT spreads over ~20 buckets
 
 

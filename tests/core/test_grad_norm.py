@@ -24,23 +24,13 @@ import torch.distributed as dist
 from megascale.core import GPT, GPTConfig, apply_tensor_parallel
 from megascale.core.parallel import all_reduce_over_shards, clip_grad_norm_, grad_norm
 from tests._dist import run_distributed
+from tests.core._tiny import TINY_GQA_GPT
 
 # The package exports the function grad_norm, which shadows the module of the same name as an attribute.
 grad_norm_module = importlib.import_module("megascale.core.parallel.grad_clip")
 
 RTOL = 1e-5
-CONFIG = dict(
-    vocab_size=60,
-    d_model=32,
-    n_layers=2,
-    n_heads=4,
-    n_kv_heads=2,
-    ffn_multiple_of=32,
-    max_seq_len=16,
-    pad_vocab_to_multiple_of=64,
-    bias=True,
-    norm="layernorm",
-)
+CONFIG = {**TINY_GQA_GPT, "bias": True, "norm": "layernorm"}
 
 
 # ---- one process, plain tensors: torch.nn.utils is the reference -----------------------------------------

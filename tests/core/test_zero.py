@@ -30,22 +30,14 @@ from megascale.core import GPT, GPTConfig, apply_tensor_parallel
 from megascale.core.optim import LAMB
 from megascale.core.parallel import BucketedGradReduce, OptimizerStateSharding, clip_grad_norm_
 from tests._dist import run_distributed
+from tests.core._tiny import TINY_GQA_GPT
 
 ATOL = {"adamw-foreach": 5e-5, "adamw-loop": 5e-5, "lamb": 2e-6}  # on weights and logits; see above
 STEPS = 4
 LR = 1e-2
 MAX_NORM = 1.0  # below the tiny GPT's gradient norm (~3): every step clips
 BUCKET_MB = 4096 / 2**20  # 4 KiB: many buckets for the tiny GPT
-CONFIG = dict(
-    vocab_size=60,
-    d_model=32,
-    n_layers=2,
-    n_heads=4,
-    n_kv_heads=2,
-    ffn_multiple_of=32,
-    max_seq_len=16,
-    pad_vocab_to_multiple_of=64,
-)
+CONFIG = dict(TINY_GQA_GPT)
 
 
 def _batch(step: int, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
