@@ -86,11 +86,12 @@ class WorkPreprocess:
     text_key: str = "txt"
 
     def __call__(self, sample: dict[str, Any]) -> np.ndarray | None:
-        raw = sample.get(self.text_key)
-        if raw is None:
+        from megascale.data.packing import TextPreprocess
+        from megascale.data.tokenize import ByteTokenizer
+
+        ids = TextPreprocess(ByteTokenizer(), self.text_key)(sample)  # the loader's default preprocessing
+        if ids is None:
             return None
-        text = raw.decode("utf-8", errors="replace") if isinstance(raw, bytes | bytearray) else str(raw)
-        ids = np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32)
         if self.work_us > 0:
             end = time.thread_time() + self.work_us * 1e-6  # this thread's CPU clock: a fixed CPU cost
             while time.thread_time() < end:
