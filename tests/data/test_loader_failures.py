@@ -157,3 +157,73 @@ def test_resuming_with_other_data_is_refused(shards):
     other.load_state_dict(state)
     with pytest.raises(ValueError, match="other data"):
         next(iter(other))
+
+
+_HOOK_MODULE = '''
+from megascale.data.tokenize import ByteTokenizer
+
+class Shout:
+    """Upper-case the text, then byte-tokenize it."""
+
+    def __call__(self, sample):
+        return ByteTokenizer().encode(sample["txt"].decode().upper())
+'''
+
+_SCRIPT = """
+import sys
+from megascale.data import Source, WebDataConfig, WebLoader
+from megascale.data.tokenize import ByteTokenizer
+{hook}
+def first_batches(tree):
+    cfg = WebDataConfig(sources=[Source(sys.argv[1])], seq_len=16, batch_size=2, num_workers=1, prefetch=2,
+                        timeout=30, preprocess=hook)
+    loader = WebLoader(cfg, tree=tree, run_id="hook" + str(tree), max_steps=3)
+    return [x.tolist() for x, _ in loader]
+
+tree = first_batches(True)
+assert tree == first_batches(False), "tree and inline disagree"
+assert all(t < 97 or t > 122 for b in tree for row in b for t in row), "hook not applied"
+print("OK")
+"""
+
+
+def _run_script(
+    tmp_path: Path, url: str, hook: str, module: str | None = None
+) -> subprocess.CompletedProcess:
+    app = tmp_path / "app"
+    app.mkdir()
+    (app / "train.py").write_text(_SCRIPT.format(hook=hook))
+    if module is not None:
+        (app / "shout_hook.py").write_text(module)
+    # run from elsewhere: the hook's module is found only through the script's directory (sys.path[0])
+    return subprocess.run(
+        [sys.executable, str(app / "train.py"), url],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_a_hook_in_a_module_next_to_the_script_runs_in_the_node_reader(shards, tmp_path):
+    url, _ = shards
+    result = _run_script(tmp_path, url, "from shout_hook import Shout\nhook = Shout()", _HOOK_MODULE)
+    assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
+
+
+def test_a_hook_defined_in_the_training_script_is_refused_before_the_reader_starts(shards, tmp_path):
+    url, _ = shards
+    hook = "def hook(sample):\n    return ByteTokenizer().encode(sample['txt'].decode().upper())\n"
+    result = _run_script(tmp_path, url, hook)
+    assert result.returncode != 0
+    assert "preprocess hook is defined in the training script (__main__: hook)" in result.stderr, (
+        result.stderr[-3000:]
+    )
+    assert "move it into a module" in result.stderr
+
+
+def test_an_unpicklable_hook_is_refused_with_what_to_use_instead(shards):
+    url, _ = shards
+    cfg = _config(url, preprocess=lambda sample: None)
+    with pytest.raises(TypeError, match=r"picklable preprocess hook.*not a lambda"):
+        next(iter(WebLoader(cfg, run_id=uuid.uuid4().hex[:8])))

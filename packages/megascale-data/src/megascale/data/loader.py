@@ -32,7 +32,7 @@ from megascale.data.config import WebDataConfig
 from megascale.data.lanes import ReadOptions
 from megascale.data.order import CanonicalOrder
 from megascale.data.packing import TextPreprocess
-from megascale.data.reader import ReaderSpec, iter_batches, launch_reader
+from megascale.data.reader import ReaderSpec, iter_batches, launch_reader, pickle_spec
 from megascale.data.shm import (
     CLOSED,
     ERROR,
@@ -235,6 +235,7 @@ class WebLoader:
             cleanup_stale()
             order = self._order()  # lists the shards: a missing shard or bucket fails here, in the rank
             spec = self._spec(order)
+            pickle_spec(spec)  # a hook the reader could not import fails here too, before the ring exists
             path = ring_path(self.run_id, self.node_rank, os.getpid())
             slot_bytes = self.local_world_size * self.config.batch_size * (self.config.seq_len + 1) * 4
             self._ring = ShmRing.create(

@@ -13,6 +13,7 @@ import json
 import multiprocessing as mp
 import os
 import pickle
+import pickletools
 import queue
 import subprocess
 import sys
@@ -29,7 +30,9 @@ from megascale.data.order import CanonicalOrder, LaneCursor
 from megascale.data.shm import RingClosedError, ShmRing, pid_alive
 from megascale.data.sources import ReadStats, Source
 
-__all__ = ["ReaderSpec", "StepBatch", "iter_batches", "launch_reader", "produce", "reader_main"]
+__all__ = [
+    "ReaderSpec", "StepBatch", "iter_batches", "launch_reader", "pickle_spec", "produce", "reader_main",
+]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -231,15 +234,49 @@ def reader_main(spec: ReaderSpec, path: str, parent_pid: int) -> None:
         ring.close()
 
 
+def pickle_spec(spec: ReaderSpec) -> bytes:
+    """The spec as the reader will load it; refuses what a fresh interpreter could not import.
+
+    The reader does not run the training script, so a preprocess hook defined in it (module ``__main__``)
+    would not be found there: say so now, in the rank, instead of letting the reader die on start.
+    """
+    try:
+        payload = pickle.dumps(spec)
+        # protocol 2 names every global as one "module name" GLOBAL opcode: easy to check for __main__
+        refs = [
+            arg for op, arg, _ in pickletools.genops(pickle.dumps(spec, protocol=2)) if op.name == "GLOBAL"
+        ]
+    except (pickle.PicklingError, TypeError, AttributeError) as err:
+        raise TypeError(
+            f"the node reader runs in its own process and needs a picklable preprocess hook ({err}): use a "
+            "module-level function or a class instance, not a lambda or a closure"
+        ) from err
+    in_main = sorted({str(ref).split(" ", 1)[1] for ref in refs if str(ref).startswith("__main__ ")})
+    if in_main:
+        raise TypeError(
+            f"preprocess hook is defined in the training script (__main__: {', '.join(in_main)}); the node reader "
+            "is a separate process that does not run the script, so it cannot find it: move it into a module "
+            "next to the script (e.g. my_preprocess.py) and import it from there, or use tree=False"
+        )
+    return payload
+
+
 def launch_reader(spec: ReaderSpec, path: Path) -> subprocess.Popen:
     """Start the node reader as ``python -m megascale.data.reader``: a fresh interpreter that imports
-    neither torch nor the training script (multiprocessing's spawn would re-run the script's top level)."""
+    neither torch nor the training script (multiprocessing's spawn would re-run the script's top level).
+
+    It gets this process's ``sys.path`` (as ``PYTHONPATH``), so a preprocess hook in a module found through
+    the script's directory or a path added at run time imports there as it does here.
+    """
+    payload = pickle_spec(spec)
     spec_path = path.with_name(path.name + ".spec")
     fd = os.open(spec_path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
     with os.fdopen(fd, "wb") as f:
-        pickle.dump(spec, f)
+        f.write(payload)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p or os.curdir) for p in sys.path)
     command = [sys.executable, "-m", "megascale.data.reader", str(path), str(spec_path), str(os.getpid())]
-    return subprocess.Popen(command, stdin=subprocess.DEVNULL)
+    return subprocess.Popen(command, stdin=subprocess.DEVNULL, env=env)
 
 
 def _main(argv: list[str]) -> None:
