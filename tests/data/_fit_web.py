@@ -1,6 +1,6 @@
 """A Lightning fit on WebDataModule, run by tests/data/test_datamodule.py under torchrun (or alone).
 
-    python tests/data/_fit_web.py SHARDS OUT.json MAX_STEPS [--save CKPT] [--resume CKPT]
+    python tests/data/_fit_web.py SHARDS OUT.json MAX_STEPS [--save CKPT] [--resume CKPT] [--tp N]
 
 Records every training batch each rank saw (as token lists) into OUT.json.rank<N>.
 """
@@ -13,6 +13,7 @@ import os
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
 from megascale.data import Source, WebDataConfig, WebDataModule
@@ -32,6 +33,9 @@ class TinyLM(LightningModule):
         self.log("train/loss", loss, prog_bar=True)
         return loss
 
+    def configure_model(self):
+        pass  # ModelParallelStrategy requires the hook; the data layout is what this script checks
+
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
@@ -43,6 +47,7 @@ def main() -> None:
     parser.add_argument("max_steps", type=int)
     parser.add_argument("--save")
     parser.add_argument("--resume")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (ModelParallelStrategy)")
     parser.add_argument("--devices", type=int, default=int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -51,8 +56,13 @@ def main() -> None:
     )
     data = WebDataModule(config)
     model = TinyLM(data.vocab_size)
+    strategy = "ddp" if args.devices > 1 else "auto"
+    if args.tp > 1:
+        strategy = ModelParallelStrategy(
+            data_parallel_size=args.devices // args.tp, tensor_parallel_size=args.tp
+        )
     trainer = Trainer(
-        accelerator="cpu", devices=args.devices, strategy="ddp" if args.devices > 1 else "auto",
+        accelerator="cpu", devices=args.devices, strategy=strategy,
         max_steps=args.max_steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False,
     )  # fmt: skip

@@ -35,3 +35,12 @@ def test_a_resumed_fit_sees_exactly_the_batches_of_an_uninterrupted_one(tmp_path
         assert first[rank] + second[rank] == whole[rank]
     # the two data-parallel ranks read different sequences
     assert not {str(s) for b in whole[0] for s in b} & {str(s) for b in whole[1] for s in b}
+
+
+def test_tensor_parallel_peers_get_the_same_batches_and_data_parallel_ranks_disjoint_ones(tmp_path):
+    """The DP layout comes from the strategy (dp=2 × tp=2 over 4 ranks), not from the world size."""
+    shards, _ = write_text_shards(str(tmp_path / "shards"), 8, 10, doc_chars=50)
+    seen = _fit(shards, str(tmp_path / "tp"), 3, "--tp", "2", ranks=4)
+    assert all(len(s) == 3 for s in seen)
+    assert seen[0] == seen[1] and seen[2] == seen[3]  # ModelParallelStrategy's mesh: (dp, tp), tp innermost
+    assert not {str(s) for b in seen[0] for s in b} & {str(s) for b in seen[2] for s in b}
