@@ -24,7 +24,7 @@ PACKAGES = {
     "core": "packages/megascale-core[triton]",
     "lightning": "packages/megascale-lightning",
     "data": "packages/megascale-data[s3,lightning]",
-    "ft": "packages/megascale-ft[lightning,s3]",
+    "ft": "packages/megascale-ft[lightning,s3,plots]",
 }
 # What a package's tests need beyond the package itself (test tools, servers), never another megascale package.
 EXTRA_TEST_DEPS = {
