@@ -1,7 +1,7 @@
 """megascale-ft: heartbeats, self-checks, two-stage fast checkpoints, broadcast restore, automatic restart.
 
-Works without megascale-core; its Lightning callbacks come with the `lightning` extra. The components land
-with the fault-tolerance issue; this package exists now so its à-la-carte install is tested.
+Works without megascale-core; its Lightning callback comes with the `lightning` extra, its pictures with
+the `plots` extra.
 Names are imported on first use, so `import megascale.ft` stays light (it does not import torch).
 """
 
@@ -18,6 +18,13 @@ except PackageNotFoundError:  # running from a source tree that is not installed
 
 _EXPORTS = {
     "CheckpointError": "megascale.ft.manifest",
+    "DriverAddress": "megascale.ft.config",
+    "Executor": "megascale.ft.executor",
+    "LaunchConfig": "megascale.ft.launcher",
+    "Launcher": "megascale.ft.launcher",
+    "NonFiniteLossError": "megascale.ft.executor",
+    "StepTimer": "megascale.ft.timing",
+    "Timeouts": "megascale.ft.config",
     "TwoStageCheckpointer": "megascale.ft.checkpoint",
 }
 
@@ -25,7 +32,14 @@ __all__ = ["__version__", *_EXPORTS]
 
 if TYPE_CHECKING:
     from megascale.ft.checkpoint import TwoStageCheckpointer as TwoStageCheckpointer
+    from megascale.ft.config import DriverAddress as DriverAddress
+    from megascale.ft.config import Timeouts as Timeouts
+    from megascale.ft.executor import Executor as Executor
+    from megascale.ft.executor import NonFiniteLossError as NonFiniteLossError
+    from megascale.ft.launcher import LaunchConfig as LaunchConfig
+    from megascale.ft.launcher import Launcher as Launcher
     from megascale.ft.manifest import CheckpointError as CheckpointError
+    from megascale.ft.timing import StepTimer as StepTimer
 
 
 def __getattr__(name: str) -> Any:

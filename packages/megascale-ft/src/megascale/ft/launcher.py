@@ -1,0 +1,320 @@
+"""The driver: start the job under torchrun, watch it, stop it on a fault, self-check, restart.
+
+One attempt = self-checks (``python -m megascale.ft.selfcheck`` under torchrun) and then the training
+command under torchrun, with the heartbeat server's address, the token, the attempt number and the timeouts
+in the environment (`megascale.ft.executor.ENV`). The attempt ends when torchrun exits or the `JobMonitor`
+finds a fault; on a fault the whole process tree is killed at once and the next attempt starts, from the
+latest good checkpoint (the training script loads it). Restarts are bounded by ``max_restarts``, and a run
+that fails the same way ``repeat_limit`` times in a row stops with a report rather than looping.
+
+Why torchrun with ``--max-restarts 0`` and our own loop: torchrun restarts blindly (no diagnosis, no
+self-check, no notion of "the same failure again"), and its restarted gloo attempts do not reconnect
+(shared notes); each of our attempts is a fresh torchrun on a fresh port.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import shlex
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from megascale.ft._procs import kill_tree
+from megascale.ft.config import DriverAddress, Timeouts
+from megascale.ft.executor import ENV
+from megascale.ft.heartbeat import HeartbeatServer
+from megascale.ft.monitor import Fault, JobMonitor
+
+__all__ = ["LaunchConfig", "Launcher", "RunReport"]
+
+log = logging.getLogger("megascale.ft")
+
+POLL_S = 0.1
+# torchrun polls its workers every 0.1 s by default and then kills the healthy ones; polling slower lets
+# the driver see which rank died first (a killed rank's peers die a moment later)
+TORCHRUN_MONITOR_S = 2.0
+STRAGGLER_CHECK_S = 10.0
+
+
+@dataclass
+class LaunchConfig:
+    """How ``megascale-ft launch`` runs a job.
+
+    Args:
+        nproc_per_node: ranks on this machine (torchrun's ``--nproc-per-node``).
+        max_restarts: restarts after the first attempt; the job fails when they are used up.
+        repeat_limit: stop when this many consecutive attempts failed the same way (kind, rank, message).
+        timeouts: heartbeat interval, hang and collective timeouts.
+        address: where the heartbeat server listens (loopback by default).
+        token: shared secret of the heartbeats; default: a fresh random one per run.
+        self_check: run the self-checks before every attempt.
+        self_check_timeout: seconds the self-checks may take.
+        storage: checkpoint storage URL the self-check probes (also given to the job as MEGASCALE_FT_STORAGE).
+        run_dir: where the report, self-check reports, logs and timeline pictures go.
+        straggler_threshold: flag ranks whose compute per step exceeds this multiple of the median.
+    """
+
+    nproc_per_node: int = 1
+    max_restarts: int = 3
+    repeat_limit: int = 3
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    address: DriverAddress = field(default_factory=DriverAddress)
+    token: str | None = None
+    self_check: bool = True
+    self_check_timeout: float = 300.0
+    storage: str | None = None
+    run_dir: str = "megascale-ft-run"
+    straggler_threshold: float = 1.2
+
+    def __post_init__(self) -> None:
+        if self.nproc_per_node < 1:
+            raise ValueError(f"nproc_per_node must be >= 1, got {self.nproc_per_node}")
+        if self.max_restarts < 0 or self.repeat_limit < 1:
+            raise ValueError("max_restarts must be >= 0 and repeat_limit >= 1")
+
+
+@dataclass
+class RunReport:
+    """What happened: every attempt's fault, the self-check verdicts, and how the run ended."""
+
+    command: list[str]
+    ok: bool = False
+    reason: str = ""
+    attempts: list[dict[str, Any]] = field(default_factory=list)
+
+    def summary(self) -> str:
+        lines = [f"megascale-ft: {'finished' if self.ok else 'FAILED'} after {len(self.attempts)} attempt(s)"]
+        for a in self.attempts:
+            fault = a.get("fault")
+            what = "ok" if fault is None else f"{fault['kind']} of rank {fault['rank']}: {fault['message']}"
+            latency = "" if fault is None else f", noticed after {fault['latency']:.2f} s"
+            lines.append(f"  attempt {a['attempt']}: {what}{latency} ({a['seconds']:.1f} s)")
+        if self.reason:
+            lines.append(f"  {self.reason}")
+        return "\n".join(lines)
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _torchrun(nproc: int, command: list[str]) -> list[str]:
+    """torchrun for ``command`` (``script.py args`` or ``-m module args``; a leading ``python`` is dropped)."""
+    if command and Path(command[0]).name.startswith("python"):
+        command = command[1:]
+    if not command:
+        raise ValueError("no training command: give it after '--', e.g. -- train.py --steps 100")
+    return [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+        "--master-addr=127.0.0.1", f"--master-port={_free_port('127.0.0.1')}", "--max-restarts=0",
+        f"--monitor-interval={TORCHRUN_MONITOR_S}", *command,
+    ]  # fmt: skip
+
+
+class Launcher:
+    """Run ``command`` under torchrun with heartbeats, self-checks and bounded restarts.
+
+    ``run()`` returns the `RunReport` (also written to ``run_dir/report.json``).
+    """
+
+    def __init__(self, command: list[str], config: LaunchConfig | None = None) -> None:
+        self.command = list(command)
+        self.config = config or LaunchConfig()
+        self.token = self.config.token or secrets.token_hex(16)
+        self.run_dir = Path(self.config.run_dir)
+        self.monitor: JobMonitor | None = None
+
+    # --- one attempt --------------------------------------------------------------------------------
+    def _env(self, server: HeartbeatServer, attempt: int) -> dict[str, str]:
+        t = self.config.timeouts
+        env = dict(os.environ)
+        env.update({
+            ENV["url"]: server.url, ENV["token"]: self.token, ENV["attempt"]: str(attempt),
+            ENV["heartbeat_interval"]: str(t.heartbeat_interval), ENV["hang_timeout"]: str(t.hang_timeout),
+            ENV["collective_timeout"]: str(t.collective_timeout),
+        })  # fmt: skip
+        if self.config.storage:
+            env["MEGASCALE_FT_STORAGE"] = self.config.storage
+        return env
+
+    def _self_check(self, attempt: int) -> dict[str, Any]:
+        report = self.run_dir / f"selfcheck-{attempt}.json"
+        args = ["-m", "megascale.ft.selfcheck", "--report", str(report)]
+        args += [
+            "--timeout",
+            str(min(self.config.timeouts.collective_timeout, self.config.self_check_timeout)),
+        ]
+        if self.config.storage:
+            args += ["--storage", self.config.storage]
+        started = time.time()
+        try:
+            result = subprocess.run(
+                _torchrun(self.config.nproc_per_node, args), timeout=self.config.self_check_timeout,
+                stdin=subprocess.DEVNULL, capture_output=True, text=True,
+            )  # fmt: skip
+            code, output = result.returncode, result.stdout + result.stderr
+        except subprocess.TimeoutExpired as e:
+            code, output = -1, f"self-checks did not finish within {self.config.self_check_timeout} s: {e}"
+        summary = ""
+        if report.exists():
+            summary = json.loads(report.read_text()).get("summary", "")
+        ok = code == 0
+        if not ok and not summary:
+            summary = output.strip()[-2000:]
+        log.info("self-checks %s in %.1f s%s", "passed" if ok else "FAILED", time.time() - started,
+                 "" if ok else f":\n{summary}")  # fmt: skip
+        return {"ok": ok, "report": str(report), "summary": summary}
+
+    def _attempt(self, server: HeartbeatServer, attempt: int) -> Fault | None:
+        monitor = JobMonitor(self.config.nproc_per_node, self.config.timeouts)
+        self.monitor = monitor
+        command = _torchrun(self.config.nproc_per_node, self.command)
+        log.info("attempt %d: %s", attempt, shlex.join(command))
+        process = subprocess.Popen(command, env=self._env(server, attempt), stdin=subprocess.DEVNULL,
+                                   start_new_session=True)  # fmt: skip
+        flagged: set[int] = set()
+        next_straggler_check = time.monotonic() + STRAGGLER_CHECK_S
+        try:
+            while True:
+                if time.monotonic() > next_straggler_check:
+                    next_straggler_check += STRAGGLER_CHECK_S
+                    self._flag_stragglers(monitor, flagged)
+                fault = monitor.check()
+                if fault is not None and fault.kind == "exception":
+                    time.sleep(3 * POLL_S)  # a peer may have died first and caused this one's error
+                    fault = monitor.check() or fault
+                if fault is not None:
+                    return fault
+                code = process.poll()
+                if code is not None:
+                    if monitor.finished():  # every rank said so; a gloo abort at exit changes nothing
+                        if code != 0:
+                            log.warning("every rank finished, but torchrun exited with code %d", code)
+                        return None
+                    time.sleep(POLL_S)
+                    fault = monitor.check()
+                    if fault is None:
+                        seen = max((r for r in monitor.last_steps().values()), default=-1)
+                        message = (
+                            f"torchrun exited with code {code} (last step seen {seen}); see the log above"
+                        )
+                        fault = Fault("exit", None, socket.gethostname(), message, time.time(), time.time())
+                    return fault
+                time.sleep(POLL_S)
+        finally:
+            pids = [b.pid for b in server.beats()]
+            kill_tree(process.pid, extra=pids)
+            process.wait()
+
+    def _flag_stragglers(self, monitor: JobMonitor, flagged: set[int]) -> None:
+        from megascale.ft.stragglers import find_stragglers
+
+        found = find_stragglers(
+            monitor.timings(), threshold=self.config.straggler_threshold, hosts=monitor.hosts
+        )
+        for straggler in found:
+            if straggler.rank not in flagged:
+                flagged.add(straggler.rank)
+                log.warning("straggler: %s", straggler)
+
+    # --- the run --------------------------------------------------------------------------------------
+    def run(self) -> RunReport:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        report = RunReport(command=self.command)
+        monitors: list[JobMonitor] = []
+
+        def on_heartbeat(beat: Any) -> None:
+            if self.monitor is not None:
+                self.monitor.on_heartbeat(beat)
+
+        with HeartbeatServer(self.token, on_heartbeat, self.config.address) as server:
+            log.info("heartbeat server on %s (token required)", server.url)
+            for attempt in range(self.config.max_restarts + 1):
+                started = time.time()
+                entry: dict[str, Any] = {"attempt": attempt}
+                if self.config.self_check:
+                    entry["self_check"] = self._self_check(attempt)
+                    if not entry["self_check"]["ok"]:
+                        entry["seconds"] = time.time() - started
+                        report.attempts.append(entry)
+                        report.reason = (
+                            "self-checks failed before the start; fix or replace what they name:\n"
+                        )
+                        report.reason += entry["self_check"]["summary"]
+                        break
+                server.forget()
+                fault = self._attempt(server, attempt)
+                if self.monitor is not None:
+                    monitors.append(self.monitor)
+                entry["seconds"] = time.time() - started
+                entry["fault"] = None if fault is None else fault.to_json()
+                report.attempts.append(entry)
+                if fault is None:
+                    report.ok = True
+                    break
+                log.error("attempt %d failed: %s", attempt, fault)
+                if self._repeats(report) >= self.config.repeat_limit:
+                    report.reason = (
+                        f"failed the same way {self.config.repeat_limit} times in a row ({fault}); not "
+                        "restarting again: fix the cause (see the log), then relaunch"
+                    )
+                    break
+            else:
+                report.reason = f"gave up after {self.config.max_restarts} restarts (--max-restarts)"
+        self._write(report, monitors)
+        print(report.summary(), file=sys.stderr, flush=True)
+        return report
+
+    @staticmethod
+    def _repeats(report: RunReport) -> int:
+        faults = [a.get("fault") for a in report.attempts]
+        last = faults[-1]
+        count = 0
+        for fault in reversed(faults):
+            if fault is None or last is None:
+                break
+            same = Fault(**{k: fault[k] for k in Fault.__dataclass_fields__}).signature
+            if same != Fault(**{k: last[k] for k in Fault.__dataclass_fields__}).signature:
+                break
+            count += 1
+        return count
+
+    def _write(self, report: RunReport, monitors: list[JobMonitor]) -> None:
+        path = self.run_dir / "report.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({**asdict(report), "summary": report.summary()}, indent=2))
+        tmp.replace(path)
+        _write_timeline(self.run_dir, monitors, self.config.straggler_threshold)
+
+
+def _write_timeline(run_dir: Path, monitors: list[JobMonitor], threshold: float) -> None:
+    """The merged timeline of every attempt (Chrome trace) and, with matplotlib, its pictures."""
+    from megascale.ft import stragglers, timeline
+
+    events: dict[int, list[dict[str, Any]]] = {}
+    hosts: dict[int, str] = {}
+    for monitor in monitors:
+        for rank, evs in monitor.timings().items():
+            events.setdefault(rank, []).extend(evs)
+        hosts.update(monitor.hosts)
+    if not any(events.values()):
+        return
+    flagged = stragglers.find_stragglers(events, threshold=threshold, hosts=hosts)
+    for s in flagged:
+        log.warning("straggler: %s", s)
+    timeline.write_chrome_trace(events, run_dir / "timeline.json", hosts=hosts, stragglers=flagged)
+    try:
+        timeline.plot_timeline(events, run_dir / "timeline.png", hosts=hosts)
+        timeline.plot_step_heatmap(events, run_dir / "step_times.png", hosts=hosts)
+    except ImportError as e:
+        log.info("no timeline pictures: %s", e)

@@ -1,0 +1,172 @@
+"""The driver's judgement: from heartbeats and process liveness, is a rank dead, hung or anomalous?
+
+Kept apart from the transport and the launcher so it can be tested with synthetic heartbeats and a clock.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from megascale.ft.config import Timeouts
+from megascale.ft.heartbeat import Heartbeat
+
+__all__ = ["Fault", "JobMonitor", "pid_alive"]
+
+MAX_EVENTS_PER_RANK = 20_000
+
+
+@dataclass(frozen=True)
+class Fault:
+    """What went wrong, where, and when it was noticed.
+
+    ``kind``: "dead" (process gone), "hung" (no heartbeat or no progress), "exception", "nan", or
+    "exit" (the job ended with an error and no rank said why). ``since``: the last time the rank was
+    seen healthy, so ``detected - since`` is the detection latency.
+    """
+
+    kind: str
+    rank: int | None
+    host: str
+    message: str
+    detected: float
+    since: float
+
+    @property
+    def latency(self) -> float:
+        return max(0.0, self.detected - self.since)
+
+    @property
+    def signature(self) -> tuple[str, int | None, str]:
+        """Equal signatures = the run failed the same way (numbers such as pids and seconds ignored)."""
+        first = self.message.splitlines()[0][:200] if self.message else ""
+        return self.kind, self.rank, re.sub(r"\d+(\.\d+)?", "#", first)
+
+    def __str__(self) -> str:
+        who = "the job" if self.rank is None else f"rank {self.rank} (host {self.host})"
+        return f"{who}: {self.kind}: {self.message} (noticed after {self.latency:.1f} s)"
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "latency": self.latency}
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # a zombie (exited, not yet reaped by torchrun) is gone for our purposes
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+@dataclass
+class _Rank:
+    beat: Heartbeat
+    seen: float  # driver clock of the last heartbeat
+    progressed: float  # driver clock of the last step change
+    first_step_done: bool
+
+
+class JobMonitor:
+    """Tracks every rank of one attempt and reports the first fault it can attribute.
+
+    Args:
+        world_size: ranks expected to report.
+        timeouts: the hierarchy of `Timeouts`.
+        clock: time source (tests pass a fake one).
+    """
+
+    def __init__(self, world_size: int, timeouts: Timeouts, clock: Callable[[], float] = time.time) -> None:
+        self.world_size, self.timeouts, self.clock = world_size, timeouts, clock
+        self.started = clock()
+        self.host = socket.gethostname()
+        self._ranks: dict[int, _Rank] = {}
+        self._anomaly: Fault | None = None
+        self._lock = threading.Lock()
+        self.events: dict[int, list[dict[str, Any]]] = {}
+        self.hosts: dict[int, str] = {}
+
+    def on_heartbeat(self, beat: Heartbeat) -> None:
+        now = self.clock()
+        with self._lock:
+            prev = self._ranks.get(beat.rank)
+            if prev is not None and prev.beat.pid == beat.pid and beat.sent and beat.sent < prev.beat.sent:
+                return  # an older heartbeat overtaken by a newer one
+            progressed = now if prev is None or beat.step != prev.beat.step else prev.progressed
+            done = beat.step >= 0 or (prev is not None and prev.first_step_done)
+            self._ranks[beat.rank] = _Rank(beat, now, progressed, done)
+            self.hosts[beat.rank] = beat.host
+            if beat.events:
+                kept = self.events.setdefault(beat.rank, [])
+                kept.extend(beat.events)
+                del kept[:-MAX_EVENTS_PER_RANK]
+            if beat.status in ("error", "nan") and self._anomaly is None:
+                kind = "exception" if beat.status == "error" else "nan"
+                since = prev.seen if prev is not None else self.started
+                self._anomaly = Fault(kind, beat.rank, beat.host, beat.message, now, since)
+
+    def finished(self) -> bool:
+        """Every rank reported status "finished"."""
+        with self._lock:
+            return len(self._ranks) == self.world_size and all(
+                r.beat.status == "finished" for r in self._ranks.values()
+            )
+
+    def timings(self) -> dict[int, list[dict[str, Any]]]:
+        """A copy of every rank's timing events so far (see `megascale.ft.timing`)."""
+        with self._lock:
+            return {rank: list(events) for rank, events in self.events.items()}
+
+    def last_steps(self) -> dict[int, int]:
+        with self._lock:
+            return {rank: r.beat.step for rank, r in self._ranks.items()}
+
+    def check(self) -> Fault | None:
+        """The first attributable fault now, or None.
+
+        Order: processes gone without a word, reported anomalies, ranks without heartbeats, ranks without
+        progress. Root causes first: a rank killed outright makes its peers' collectives fail a moment
+        later, and they report that exception; a rank that waits in a collective for a stopped peer keeps
+        beating but does not progress, so the silent one is named first.
+        """
+        now = self.clock()
+        t = self.timeouts
+        with self._lock:
+            anomaly = self._anomaly
+            ranks = dict(self._ranks)
+        for rank, r in sorted(ranks.items()):
+            if r.beat.status == "running" and r.beat.host == self.host and not pid_alive(r.beat.pid):
+                return Fault("dead", rank, r.beat.host, f"process {r.beat.pid} is gone", now, r.seen)
+        if anomaly is not None:
+            return anomaly
+        for rank, r in sorted(ranks.items()):
+            if r.beat.status != "finished" and now - r.seen > t.hang_timeout:
+                message = f"no heartbeat for {now - r.seen:.1f} s (hang_timeout {t.hang_timeout} s)"
+                return Fault("hung", rank, r.beat.host, message, now, r.seen)
+        if now - self.started > t.startup_timeout:
+            missing = sorted(set(range(self.world_size)) - set(ranks))
+            if missing:
+                message = f"never sent a heartbeat within startup_timeout {t.startup_timeout} s"
+                return Fault("hung", missing[0], "?", message, now, self.started)
+        for rank, r in sorted(ranks.items()):
+            if r.beat.status == "finished":
+                continue
+            limit = t.hang_timeout if r.first_step_done else t.startup_timeout
+            if now - r.progressed > limit:
+                message = (
+                    f"step {r.beat.step} has not advanced for {now - r.progressed:.1f} s (limit {limit} s)"
+                )
+                return Fault("hung", rank, r.beat.host, message, now, r.progressed)
+        return None

@@ -1,0 +1,112 @@
+"""A short deterministic DDP run (plain torch, gloo) under ``megascale-ft launch``, with faults to inject.
+
+    megascale-ft launch --nproc-per-node 2 -- tests/ft/_train.py CKPT_DIR OUT.pt [--fault KIND@STEP:RANK]
+
+Every step's data comes from a generator seeded by (step, rank), dropout draws from the global RNG, and
+SGD carries momentum: a resumed run matches an uninterrupted one bit for bit only if the model, the
+optimizer and every rank's RNG state come back exactly. A fault fires only in the first attempt
+(``MEGASCALE_FT_ATTEMPT=0``), at step STEP on rank RANK. Kinds: sigkill, sigstop, exception, nan,
+kill-persist (SIGKILL right after a checkpoint's stage 1, while it persists), corrupt-latest (rank 0 damages
+the checkpoint just committed, then dies: the restart must skip it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from megascale.ft import Executor, TwoStageCheckpointer
+
+EVERY = 2  # checkpoint every 2 steps
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 1))
+
+
+def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(8, 16, generator=g)
+    return x, x.sum(dim=1, keepdim=True).sin()
+
+
+def _damage_latest(root: str, step: int) -> None:
+    files = sorted((Path(root) / f"step-{step:09d}").glob("*.distcp"))
+    data = bytearray(files[0].read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    files[0].write_bytes(bytes(data))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("ckpt")
+    parser.add_argument("out")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--fault", default="", help="KIND@STEP:RANK, first attempt only")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    with Executor.from_env() as executor:
+        dist.init_process_group("gloo", timeout=executor.collective_timeout)
+        rank = dist.get_rank()
+        kind, at, who = "", -1, -1
+        if args.fault and executor.attempt == 0:
+            kind, where = args.fault.split("@")
+            at, who = (int(v) for v in where.split(":"))
+        model = DistributedDataParallel(_model())
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        checkpointer = TwoStageCheckpointer(args.ckpt, keep_last=3)
+        torch.manual_seed(1 + rank)
+        start = 0
+        if checkpointer.latest() is not None:
+            start = checkpointer.load({"model": model.module, "optimizer": optimizer})
+            rng = {f"rng{rank}": torch.get_rng_state()}
+            checkpointer.load(rng, step=start)  # each rank its own generator
+            torch.set_rng_state(rng[f"rng{rank}"])
+        for step in range(start, args.steps):
+            with executor.timer.step(step):
+                x, y = _batch(step, rank)
+                with executor.timer.section("forward"):
+                    loss = nn.functional.mse_loss(model(x), y)
+                with executor.timer.section("backward"):
+                    loss.backward()
+                with executor.timer.section("optimizer"):
+                    optimizer.step()
+                    optimizer.zero_grad()
+            value = loss.item()
+            if rank == who and step == at:
+                if kind == "sigkill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                if kind == "sigstop":
+                    os.kill(os.getpid(), signal.SIGSTOP)
+                if kind == "exception":
+                    raise RuntimeError(f"injected failure at step {step}")
+                if kind == "nan":
+                    value = float("nan")
+            executor.step_done(step, value)
+            if (step + 1) % EVERY == 0:
+                state = {"model": model.module, "optimizer": optimizer, f"rng{rank}": torch.get_rng_state()}
+                checkpointer.save(step + 1, state)
+                if kind == "kill-persist" and rank == who and step == at:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                if kind == "corrupt-latest" and step == at:
+                    checkpointer.wait()
+                    if rank == who:
+                        _damage_latest(args.ckpt, step + 1)
+                        os.kill(os.getpid(), signal.SIGKILL)
+        checkpointer.close()
+        if rank == 0:
+            torch.save(model.module.state_dict(), args.out)
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,222 @@
+"""Heartbeat transport and the driver's judgement: token, bind address, timeouts, fault attribution."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from megascale.ft.config import DriverAddress, Timeouts
+from megascale.ft.executor import Executor, NonFiniteLossError
+from megascale.ft.heartbeat import Heartbeat, HeartbeatServer, post
+from megascale.ft.monitor import JobMonitor
+
+TOKEN = "0123456789abcdef0123"
+
+
+@pytest.fixture
+def server():
+    received: list[Heartbeat] = []
+    with HeartbeatServer(TOKEN, received.append) as s:
+        s.received = received
+        yield s
+
+
+def test_a_heartbeat_with_the_token_is_delivered(server):
+    post(server.url, TOKEN, Heartbeat(rank=3, step=7, status="running"), timeout=5)
+    assert [(b.rank, b.step) for b in server.received] == [(3, 7)]
+    assert server.beats()[0].pid == os.getpid()
+
+
+@pytest.mark.parametrize("token", ["wrong-token-wrong-token", ""], ids=["wrong", "missing"])
+def test_a_wrong_or_missing_token_is_refused_and_logged(server, token, caplog):
+    caplog.set_level(logging.WARNING, logger="megascale.ft.heartbeat")
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        post(server.url, token, Heartbeat(rank=0), timeout=5)
+    assert refused.value.code == 401
+    assert server.received == [] and server.refused == 1
+    assert (
+        "refused a POST /heartbeat from 127.0.0.1" in caplog.text and "wrong or missing token" in caplog.text
+    )
+    status = urllib.request.Request(f"{server.url}/status", headers={"Authorization": f"Bearer {token}"})
+    with pytest.raises(urllib.error.HTTPError):
+        urllib.request.urlopen(status, timeout=5)
+
+
+def test_the_server_listens_on_loopback_only(server):
+    assert server.host == "127.0.0.1"
+    # 127.0.0.2 is this machine too, but not the address bound: nothing may answer there
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.2", server.port), timeout=5).close()
+    outward = _outward_address()
+    if outward is not None:
+        with pytest.raises((ConnectionRefusedError, TimeoutError)):
+            socket.create_connection((outward, server.port), timeout=5).close()
+
+
+def _outward_address() -> str | None:
+    """This machine's address on its default route, if it has one (no packet is sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.255", 1))
+            address = s.getsockname()[0]
+        except OSError:
+            return None
+    return None if address.startswith("127.") else address
+
+
+def test_binding_every_interface_needs_an_explicit_yes():
+    with pytest.raises(ValueError, match="every interface"):
+        DriverAddress(host="0.0.0.0")
+    assert DriverAddress(host="0.0.0.0", allow_any=True).host == "0.0.0.0"
+    with pytest.raises(ValueError, match="at least 16"):
+        HeartbeatServer("short", lambda beat: None)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(heartbeat_interval=2, hang_timeout=3), "at least twice heartbeat_interval"),
+        (dict(hang_timeout=30, collective_timeout=30), "longer than hang_timeout"),
+        (dict(heartbeat_interval=0), "must be > 0"),
+        (dict(hang_timeout=60, startup_timeout=10), "startup_timeout"),
+    ],
+)
+def test_timeouts_form_one_validated_hierarchy(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Timeouts(**kwargs)
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _monitor(world: int = 2) -> tuple[JobMonitor, _Clock]:
+    clock = _Clock()
+    timeouts = Timeouts(heartbeat_interval=1, hang_timeout=5, collective_timeout=10, startup_timeout=20)
+    return JobMonitor(world, timeouts, clock), clock
+
+
+def _beat(
+    rank: int, step: int, status: str = "running", pid: int | None = None, message: str = ""
+) -> Heartbeat:
+    return Heartbeat(rank=rank, step=step, status=status, pid=pid or os.getpid(), message=message)
+
+
+def test_a_rank_that_stops_beating_is_hung_and_named_before_its_waiting_peer():
+    monitor, clock = _monitor()
+    for step in range(3):
+        clock.now += 1
+        monitor.on_heartbeat(_beat(0, step))
+        monitor.on_heartbeat(_beat(1, step))
+    assert monitor.check() is None
+    for _ in range(6):  # rank 1 falls silent; rank 0 keeps beating but its step stays (it waits for rank 1)
+        clock.now += 1
+        monitor.on_heartbeat(_beat(0, 2))
+    fault = monitor.check()
+    assert fault is not None and (fault.kind, fault.rank) == ("hung", 1)
+    assert fault.latency == pytest.approx(6.0)
+
+
+def test_a_rank_that_beats_without_progress_is_hung():
+    monitor, clock = _monitor(world=1)
+    monitor.on_heartbeat(_beat(0, 4))
+    for _ in range(4):
+        clock.now += 1
+        monitor.on_heartbeat(_beat(0, 4))
+    assert monitor.check() is None  # 4 s without progress, limit 5
+    clock.now += 2
+    monitor.on_heartbeat(_beat(0, 4))
+    fault = monitor.check()
+    assert fault is not None and fault.kind == "hung" and "has not advanced" in fault.message
+
+
+def test_startup_may_take_longer_than_a_step_but_not_forever():
+    monitor, clock = _monitor(world=2)
+    monitor.on_heartbeat(_beat(0, -1))
+    clock.now += 10  # loading a checkpoint: longer than hang_timeout is fine before the first step
+    monitor.on_heartbeat(_beat(0, -1))
+    assert monitor.check() is None
+    clock.now += 11
+    monitor.on_heartbeat(_beat(0, -1))
+    fault = monitor.check()
+    assert fault is not None and (fault.kind, fault.rank) == ("hung", 1)  # silent since the start
+    assert fault.message.startswith("never sent a heartbeat")
+    monitor.on_heartbeat(_beat(1, 0))
+    fault = monitor.check()  # rank 0 still has no first step after 21 s
+    assert fault is not None and (fault.kind, fault.rank) == ("hung", 0) and "step -1" in fault.message
+
+
+def test_a_dead_process_is_blamed_before_the_peer_whose_collective_it_broke():
+    monitor, clock = _monitor()
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    monitor.on_heartbeat(_beat(0, 3))
+    monitor.on_heartbeat(_beat(1, 3, pid=gone.pid))
+    clock.now += 0.5
+    monitor.on_heartbeat(_beat(0, 3, status="error", message="RuntimeError: Connection closed by peer"))
+    fault = monitor.check()
+    assert fault is not None and (fault.kind, fault.rank) == ("dead", 1)
+
+
+def test_reported_anomalies_become_faults_with_their_message():
+    monitor, clock = _monitor()
+    monitor.on_heartbeat(_beat(0, 3))
+    monitor.on_heartbeat(_beat(1, 3))
+    clock.now += 1
+    monitor.on_heartbeat(_beat(1, 4, status="nan", message="loss is nan at step 4"))
+    fault = monitor.check()
+    assert fault is not None and (fault.kind, fault.rank, fault.message) == (
+        "nan",
+        1,
+        "loss is nan at step 4",
+    )
+    same = type(fault)("nan", 1, "h", "loss is nan at step 9", 0, 0)
+    assert same.signature == fault.signature  # numbers do not make a failure different
+
+
+def test_the_executor_reports_steps_nan_and_exceptions_to_the_driver(server):
+    timeouts = Timeouts(heartbeat_interval=0.2, hang_timeout=1, collective_timeout=2)
+    executor = Executor(rank=2, url=server.url, token=TOKEN, timeouts=timeouts, attempt=1)
+    with executor:
+        with executor.timer.step(0):
+            time.sleep(0.01)
+        executor.step_done(0, 1.5)
+        time.sleep(0.5)  # a couple of background beats carry step 0 and its timings
+        with pytest.raises(NonFiniteLossError, match="loss is nan at step 1"):
+            executor.step_done(1, float("nan"))
+    statuses = [(b.step, b.status) for b in server.received]
+    assert (0, "running") in statuses and (1, "nan") in statuses
+    nan = next(b for b in server.received if b.status == "nan")
+    assert nan.attempt == 1 and nan.rank == 2 and "loss is nan at step 1" in nan.message
+    assert any(e["name"] == "step" for b in server.received for e in b.events)
+    assert json.loads(json.dumps(server.received[-1].__dict__))  # JSON all the way
+
+    def fail_inside() -> None:
+        with Executor(rank=0, url=server.url, token=TOKEN, timeouts=timeouts):
+            raise ValueError("bad batch")
+
+    with pytest.raises(ValueError, match="bad batch"):
+        fail_inside()
+    assert (
+        server.received[-1].status == "error" and "ValueError: bad batch at " in server.received[-1].message
+    )
+
+
+def test_outside_the_launcher_the_executor_is_inert(monkeypatch):
+    monkeypatch.delenv("MEGASCALE_FT_URL", raising=False)
+    with Executor.from_env() as executor:
+        assert not executor.enabled
+        executor.step_done(0, 1.0)
