@@ -6,7 +6,7 @@ Every step's data comes from a generator seeded by (step, rank), dropout draws f
 SGD carries momentum: a resumed run matches an uninterrupted one bit for bit only if the model, the
 optimizer and every rank's RNG state come back exactly. A fault fires only in the first attempt
 (``MEGASCALE_FT_ATTEMPT=0``), at step STEP on rank RANK. Kinds: sigkill, sigstop, exception, nan,
-kill-persist (SIGKILL right after a checkpoint's stage 1, while it persists), corrupt-latest (rank 0 damages
+kill-persist (SIGKILL while a checkpoint persists: its data file exists, its manifest does not), corrupt-latest (rank 0 damages
 the checkpoint just committed, then dies: the restart must skip it).
 """
 
@@ -15,11 +15,13 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from torch.nn.parallel import DistributedDataParallel
 
 from megascale.ft import Executor, TwoStageCheckpointer
@@ -51,13 +53,14 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--fault", default="", help="KIND@STEP:RANK, first attempt only")
+    parser.add_argument("--always", action="store_true", help="inject the fault in every attempt")
     args = parser.parse_args()
     torch.set_num_threads(1)
     with Executor.from_env() as executor:
         dist.init_process_group("gloo", timeout=executor.collective_timeout)
         rank = dist.get_rank()
         kind, at, who = "", -1, -1
-        if args.fault and executor.attempt == 0:
+        if args.fault and (executor.attempt == 0 or args.always):
             kind, where = args.fault.split("@")
             at, who = (int(v) for v in where.split(":"))
         model = DistributedDataParallel(_model())
@@ -66,6 +69,7 @@ def main() -> None:
         torch.manual_seed(1 + rank)
         start = 0
         if checkpointer.latest() is not None:
+            get_optimizer_state_dict(model, optimizer)  # creates the momentum buffers to load into
             start = checkpointer.load({"model": model.module, "optimizer": optimizer})
             rng = {f"rng{rank}": torch.get_rng_state()}
             checkpointer.load(rng, step=start)  # each rank its own generator
@@ -95,6 +99,11 @@ def main() -> None:
                 state = {"model": model.module, "optimizer": optimizer, f"rng{rank}": torch.get_rng_state()}
                 checkpointer.save(step + 1, state)
                 if kind == "kill-persist" and rank == who and step == at:
+                    # die in the middle of stage 2: once this rank's data file is being written
+                    mine = Path(args.ckpt) / f"step-{step + 1:09d}" / f"__{rank}_0.distcp"
+                    deadline = time.monotonic() + 10
+                    while not mine.exists() and time.monotonic() < deadline:
+                        time.sleep(0.001)
                     os.kill(os.getpid(), signal.SIGKILL)
                 if kind == "corrupt-latest" and step == at:
                     checkpointer.wait()
