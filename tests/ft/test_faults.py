@@ -1,7 +1,7 @@
 """Fault injection through the launcher: each fault is detected in time, the job is stopped, restarted from
 the latest good checkpoint, and ends with weights bitwise equal to an uninterrupted run.
 
-The job is tests/ft/_train.py (2 DDP ranks on gloo, a checkpoint every 2 of 8 steps) under
+The job is examples/ft_ddp.py (2 DDP ranks on gloo, a checkpoint every 2 of 8 steps) under
 ``megascale-ft launch``; the fault fires in the first attempt only.
 """
 
@@ -17,7 +17,7 @@ import torch
 
 from tests.lightning._launch import clean_env
 
-SCRIPT = str(Path(__file__).with_name("_train.py"))
+SCRIPT = str(Path(__file__).parents[2] / "examples" / "ft_ddp.py")
 HEARTBEAT, HANG, COLLECTIVE = 0.5, 3.0, 8.0
 
 

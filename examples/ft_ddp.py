@@ -1,13 +1,15 @@
-"""A short deterministic DDP run (plain torch, gloo) under ``megascale-ft launch``, with faults to inject.
+"""megascale-ft with plain torch: a short deterministic DDP run (gloo) with heartbeats, two-stage
+checkpoints and restarts, and faults to inject (for drills, tests/ft/test_faults.py and benchmarks).
 
-    megascale-ft launch --nproc-per-node 2 -- tests/ft/_train.py CKPT_DIR OUT.pt [--fault KIND@STEP:RANK]
+    megascale-ft launch --nproc-per-node 2 -- examples/ft_ddp.py CKPT_DIR OUT.pt [--fault KIND@STEP:RANK]
 
 Every step's data comes from a generator seeded by (step, rank), dropout draws from the global RNG, and
 SGD carries momentum: a resumed run matches an uninterrupted one bit for bit only if the model, the
 optimizer and every rank's RNG state come back exactly. A fault fires only in the first attempt
-(``MEGASCALE_FT_ATTEMPT=0``), at step STEP on rank RANK. Kinds: sigkill, sigstop, exception, nan,
-kill-persist (SIGKILL while a checkpoint persists: its data file exists, its manifest does not), corrupt-latest (rank 0 damages
-the checkpoint just committed, then dies: the restart must skip it).
+(``MEGASCALE_FT_ATTEMPT=0``; every attempt with ``--always``), at step STEP on rank RANK. Kinds: sigkill,
+sigstop, exception, nan, kill-persist (SIGKILL while a checkpoint persists: its data file exists, its
+manifest does not), corrupt-latest (rank 0 damages the checkpoint just committed, then dies: the restart
+must skip it).
 """
 
 from __future__ import annotations
