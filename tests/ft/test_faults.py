@@ -59,10 +59,14 @@ FAULTS = {
 @pytest.mark.parametrize("fault", list(FAULTS))
 def test_a_fault_is_detected_and_the_restarted_run_ends_bitwise_equal(fault, uninterrupted, tmp_path):
     kind, rank, bound, skipped = FAULTS[fault]
-    result, report = _launch(tmp_path, "--fault", fault)
+    self_check = fault.startswith("sigkill")  # once with the self-checks before every attempt (~5 s each)
+    result, report = _launch(tmp_path, "--fault", fault, self_check=self_check)
     output = result.stdout + result.stderr
     assert result.returncode == 0 and report["ok"], output[-4000:]
     first, second = report["attempts"]
+    if self_check:
+        assert first["self_check"]["ok"] and second["self_check"]["ok"]
+        assert "self-checks passed" in output
     assert (first["fault"]["kind"], first["fault"]["rank"]) == (kind, rank), first
     assert first["fault"]["latency"] <= bound, f"detected after {first['fault']['latency']:.2f} s > {bound} s"
     assert second["fault"] is None
@@ -89,3 +93,12 @@ def test_restarts_are_bounded(tmp_path):
     result, report = _launch(tmp_path, "--fault", "sigkill@1:1", "--always", max_restarts=1)
     assert result.returncode == 1 and len(report["attempts"]) == 2
     assert "--max-restarts" in report["reason"] or "same way" in report["reason"]
+
+
+def test_a_failing_self_check_stops_the_run_before_training_and_names_the_rank(tmp_path):
+    result, report = _launch(tmp_path, self_check=True, env={"MEGASCALE_FT_SELFCHECK_INJECT": "matmul:1"})
+    assert result.returncode == 1 and not report["ok"]
+    assert len(report["attempts"]) == 1 and "fault" not in report["attempts"][0]  # training never started
+    assert "self-checks failed" in report["reason"] and "FAIL matmul on host" in report["reason"]
+    assert "rank 1" in report["reason"]
+    assert not list((tmp_path / "ckpt").glob("step-*"))  # no training, no checkpoint

@@ -167,7 +167,9 @@ class Launcher:
             code, output = -1, f"self-checks did not finish within {self.config.self_check_timeout} s: {e}"
         summary = ""
         if report.exists():
-            summary = json.loads(report.read_text()).get("summary", "")
+            from megascale.ft.selfcheck import load_report  # imports torch: only when self-checks ran
+
+            summary = load_report(report).summary()
         ok = code == 0
         if not ok and not summary:
             summary = output.strip()[-2000:]
