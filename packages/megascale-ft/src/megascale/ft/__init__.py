@@ -23,9 +23,16 @@ _EXPORTS = {
     "LaunchConfig": "megascale.ft.launcher",
     "Launcher": "megascale.ft.launcher",
     "NonFiniteLossError": "megascale.ft.executor",
+    "SelfCheckReport": "megascale.ft.selfcheck",
     "StepTimer": "megascale.ft.timing",
+    "Straggler": "megascale.ft.stragglers",
     "Timeouts": "megascale.ft.config",
     "TwoStageCheckpointer": "megascale.ft.checkpoint",
+    "find_stragglers": "megascale.ft.stragglers",
+    "plot_step_heatmap": "megascale.ft.timeline",
+    "plot_timeline": "megascale.ft.timeline",
+    "run_self_checks": "megascale.ft.selfcheck",
+    "write_chrome_trace": "megascale.ft.timeline",
 }
 
 __all__ = ["__version__", *_EXPORTS]
@@ -39,6 +46,13 @@ if TYPE_CHECKING:
     from megascale.ft.launcher import LaunchConfig as LaunchConfig
     from megascale.ft.launcher import Launcher as Launcher
     from megascale.ft.manifest import CheckpointError as CheckpointError
+    from megascale.ft.selfcheck import SelfCheckReport as SelfCheckReport
+    from megascale.ft.selfcheck import run_self_checks as run_self_checks
+    from megascale.ft.stragglers import Straggler as Straggler
+    from megascale.ft.stragglers import find_stragglers as find_stragglers
+    from megascale.ft.timeline import plot_step_heatmap as plot_step_heatmap
+    from megascale.ft.timeline import plot_timeline as plot_timeline
+    from megascale.ft.timeline import write_chrome_trace as write_chrome_trace
     from megascale.ft.timing import StepTimer as StepTimer
 
 
