@@ -28,6 +28,9 @@ Design choices:
   and `_TensorOnlyLoadPlanner`. Tensor data is read by DCP with ``torch.load(weights_only=True)``.
 - Non-tensor values and replicated (plain, non-DTensor) tensors are taken from one rank, as in DCP: give
   per-rank values (e.g. each rank's RNG state) rank-specific keys.
+- Restore by broadcast: ``load(state, replicas=group)`` reads tensor data on one rank per group of
+  replicas and broadcasts it to the others (see `megascale.ft.restore`); `last_load` says what a load
+  read from storage.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 import warnings
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -65,6 +69,7 @@ from megascale.ft.manifest import (
     verify_files,
     write_manifest,
 )
+from megascale.ft.restore import LoadStats, load_from_replicas
 
 __all__ = ["CheckpointError", "TwoStageCheckpointer"]
 
@@ -149,6 +154,9 @@ class TwoStageCheckpointer:
         self._pending: Future[None] | None = None
         self._pending_step: int | None = None
         self._lock = threading.Lock()
+        self.last_load: LoadStats | None = None
+        """What the last `load` read from storage on this rank, and how long it took."""
+        self._checksum_bytes = 0  # read by `_problem` since the current load began
 
     # --- naming -----------------------------------------------------------------------------------------
     def _name(self, step: int) -> str:
@@ -352,12 +360,15 @@ class TwoStageCheckpointer:
                 return "partial (no manifest.json: its save did not finish)"
             if manifest.step != step:
                 return f"inconsistent (its manifest says step {manifest.step})"
-            reason = verify_files(self._fs, self._dir(step), manifest)
+            reason = verify_files(self._fs, self._dir(step), manifest, on_read=self._count_checksum_read)
         except CheckpointError as e:
             return str(e)
         except Exception as e:  # rank 0 must still answer the other ranks
             return f"unreadable ({e!r})"
         return None if reason is None else f"corrupt ({reason})"
+
+    def _count_checksum_read(self, size: int) -> None:
+        self._checksum_bytes += size
 
     def latest(self) -> int | None:
         """The newest step whose manifest exists and whose files match their checksums, or None.
@@ -386,18 +397,34 @@ class TwoStageCheckpointer:
             raise CheckpointError(f"{error}; check the path and storage_options")
         return cast("int | None", found)
 
-    def load(self, state: dict[str, Any], step: int | None = None) -> int:
+    def load(
+        self,
+        state: dict[str, Any],
+        step: int | None = None,
+        *,
+        replicas: dist.ProcessGroup | None = None,
+    ) -> int:
         """Load a checkpoint into ``state`` in place (resharding to the current layout) and return its step.
 
         Args:
             state: the structure to load into, as given to `save` (tensors are overwritten in place,
                 modules/optimizers get ``load_state_dict``). Top-level keys it lacks are not loaded.
             step: the step to load; default: `latest`.
+            replicas: the ranks whose tensor state is identical to this rank's: for plain DDP the whole
+                world, for dp × tp layouts this rank's DP group (``mesh["dp"].get_group()``). Only its
+                first rank reads tensor data from storage and broadcasts it to the others, so storage
+                reads drop by the group's size. Pass it on every rank or on none; every member must
+                load with this checkpointer. Default: every rank reads its own tensors.
 
         Raises:
-            CheckpointError: no intact checkpoint, or the requested one is partial, corrupt or unsafe.
+            CheckpointError: no intact checkpoint, or the requested one is partial, corrupt or unsafe, or
+                a reader failed (raised on every rank), or ``replicas`` does not hold identical state.
         """
+        if replicas is not None and not self._distributed:
+            raise ValueError("replicas needs torch.distributed to be initialized")
+        started = time.perf_counter()
         self._join()
+        self._checksum_bytes = 0
         if step is None:
             step = self.latest()
             if step is None:
@@ -410,12 +437,14 @@ class TwoStageCheckpointer:
             if problem is not None:
                 raise CheckpointError(f"{self._where(step)} is {problem}: load another step, or delete it")
         where = self._where(step)
+        stats = LoadStats(step=step)
 
         error = None
         encoded: dict[str, Any] = {}
         try:
-            extra = json.loads(self._fs.cat_file(f"{self._dir(step)}/{EXTRA_NAME}"))
-            encoded = dict(extra["state"]["dict"])
+            raw = self._fs.cat_file(f"{self._dir(step)}/{EXTRA_NAME}")
+            stats.metadata_bytes += len(raw)
+            encoded = dict(json.loads(raw)["state"]["dict"])
             missing = [k for k in state if k not in encoded]
             if missing:
                 error = f"has no entries {missing}: remove them from the state to load, or load another step"
@@ -435,16 +464,17 @@ class TwoStageCheckpointer:
                 plain[key] = value
         tensors = _state.tensors_of(plain) or {}
         reader = SafeFsspecReader(self._url(step), **self._options)
-        try:
-            dcp.load(
+        if replicas is None:
+            self._read_tensors(tensors, reader, where, alone=not self._distributed)
+        else:
+            stats.reader = dist.get_rank(replicas) == 0
+            stats.broadcast_bytes = load_from_replicas(
                 tensors,
-                storage_reader=reader,
-                planner=_TensorOnlyLoadPlanner(),
-                process_group=self._group,
-                no_dist=not self._distributed,
+                lambda: self._read_tensors(tensors, reader, where, alone=True),
+                replicas=replicas,
+                group=cast(dist.ProcessGroup, self._group),
+                where=where,
             )
-        except CheckpointException as e:  # DCP gathers every rank's failure into one BaseException
-            raise CheckpointError(f"loading {where} failed: {e}") from e
         for key in plain:
             try:
                 value = _state.merge(plain[key], encoded[key], (key,))
@@ -454,4 +484,27 @@ class TwoStageCheckpointer:
                 loaders[key](value)
             else:
                 state[key] = value
+        stats.tensor_bytes = reader.data_bytes_read
+        stats.metadata_bytes += reader.metadata_bytes_read
+        stats.checksum_bytes = self._checksum_bytes
+        stats.seconds = time.perf_counter() - started
+        self.last_load = stats
         return step
+
+    def _read_tensors(
+        self, tensors: dict[str, Any], reader: SafeFsspecReader, where: str, *, alone: bool
+    ) -> None:
+        """DCP-load ``tensors`` in place: with the whole group, or on this rank ``alone`` (no collectives)."""
+        try:
+            with warnings.catch_warnings():
+                # DCP warns that a no_dist load assumes a single process: here that is the intent.
+                warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+                dcp.load(
+                    tensors,
+                    storage_reader=reader,
+                    planner=_TensorOnlyLoadPlanner(),
+                    process_group=None if alone else self._group,
+                    no_dist=alone,
+                )
+        except CheckpointException as e:  # DCP gathers every rank's failure into one BaseException
+            raise CheckpointError(f"loading {where} failed: {e}") from e

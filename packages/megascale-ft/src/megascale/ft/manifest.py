@@ -23,6 +23,7 @@ import json
 import os
 import pickle
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +32,8 @@ from fsspec import AbstractFileSystem
 from fsspec.implementations.local import LocalFileSystem
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+from torch.futures import Future
 
 MANIFEST_NAME = "manifest.json"
 EXTRA_NAME = "extra.json"
@@ -164,14 +167,24 @@ def read_manifest(fs: AbstractFileSystem, directory: str, where: str) -> Manifes
     return Manifest.from_json(text, where)
 
 
-def verify_files(fs: AbstractFileSystem, directory: str, manifest: Manifest) -> str | None:
-    """Check every file the manifest lists; return None when all match, else why not."""
+def verify_files(
+    fs: AbstractFileSystem,
+    directory: str,
+    manifest: Manifest,
+    on_read: Callable[[int], None] | None = None,
+) -> str | None:
+    """Check every file the manifest lists; return None when all match, else why not.
+
+    ``on_read``, when given, is called with the size of each file read (to account for storage reads).
+    """
     for name, expected in sorted(manifest.files.items()):
         path = f"{directory}/{name}"
         try:
             got = hash_file(fs, path)
         except FileNotFoundError:
             return f"file {name} listed in the manifest is missing"
+        if on_read is not None:
+            on_read(got["size"])
         if got["size"] != expected["size"]:
             return f"file {name} has {got['size']} bytes, the manifest says {expected['size']}"
         if got[CHECKSUM] != expected[CHECKSUM]:
@@ -230,7 +243,21 @@ class SafeFsspecReader(FsspecReader):
 
     Tensor data is read by DCP with ``torch.load(weights_only=True)`` already; non-tensor (``BYTE_IO``)
     items are refused by the checkpointer's load planner, so no path here unpickles arbitrary objects.
+
+    It also counts what it reads, for restore statistics: ``metadata_bytes_read`` (``.metadata``) and
+    ``data_bytes_read`` (the stored tensor items DCP read, at their stored size).
     """
+
+    def __init__(self, path: str, **kwargs: Any) -> None:
+        super().__init__(path, **kwargs)
+        self.metadata_bytes_read = 0
+        self.data_bytes_read = 0
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Read the plan's items (DCP's reader), then count them: it reads each item's stored bytes."""
+        done = super().read_data(plan, planner)
+        self.data_bytes_read += sum(self.storage_data[item.storage_index].length for item in plan.items)
+        return done
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """Read ``.metadata`` with the restricted unpickler (same contract as DCP's reader)."""
@@ -239,6 +266,7 @@ class SafeFsspecReader(FsspecReader):
         path = self._get_metadata_path(kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as f:
             data = f.read()
+        self.metadata_bytes_read += len(data)
         try:
             metadata = load_metadata_safely(data)
         except Exception as e:
