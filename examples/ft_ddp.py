@@ -23,7 +23,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from torch.nn.parallel import DistributedDataParallel
 
 from megascale.ft import Executor, TwoStageCheckpointer
@@ -71,8 +70,10 @@ def main() -> None:
         torch.manual_seed(1 + rank)
         start = 0
         if checkpointer.latest() is not None:
-            get_optimizer_state_dict(model, optimizer)  # creates the momentum buffers to load into
-            start = checkpointer.load({"model": model.module, "optimizer": optimizer})
+            # model and optimizer are the same on every rank: rank 0 reads them, the others get a copy
+            start = checkpointer.load(
+                {"model": model.module, "optimizer": optimizer}, replicas=dist.group.WORLD
+            )
             rng = {f"rng{rank}": torch.get_rng_state()}
             checkpointer.load(rng, step=start)  # each rank its own generator
             torch.set_rng_state(rng[f"rng{rank}"])

@@ -55,6 +55,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict import _init_optim_state
 
 from megascale.ft import _state
 from megascale.ft.manifest import (
@@ -457,6 +458,10 @@ class TwoStageCheckpointer:
         loaders: dict[str, Callable[[Any], Any]] = {}
         plain: dict[str, Any] = {}
         for key, value in state.items():
+            if isinstance(value, torch.optim.Optimizer) and not value.state:
+                # a fresh optimizer has no state tensors to load into yet: create them (zeros) as DCP's
+                # own set_optimizer_state_dict does
+                _init_optim_state(value)
             if _is_stateful(value):
                 plain[key] = value.state_dict()
                 loaders[key] = value.load_state_dict
