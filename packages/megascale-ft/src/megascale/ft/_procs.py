@@ -15,7 +15,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-__all__ = ["descendants", "kill_tree"]
+__all__ = ["descendants", "kill_tree", "pid_alive"]
 
 
 def _children_map() -> dict[int, list[int]]:
@@ -59,14 +59,21 @@ def kill_tree(root: int, extra: Iterable[int] = (), wait: float = 10.0) -> None:
             os.killpg(pid, signal.SIGKILL)
     deadline = time.monotonic() + wait
     while time.monotonic() < deadline:
-        if not any(_exists(p) for p in pids):
+        if not any(pid_alive(p) for p in pids):
             return
         time.sleep(0.05)
 
 
-def _exists(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """The process exists and is not a zombie (exited, not yet reaped: gone for our purposes)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    except (OSError, IndexError):
+        return True

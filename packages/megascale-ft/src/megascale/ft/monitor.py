@@ -5,7 +5,6 @@ Kept apart from the transport and the launcher so it can be tested with syntheti
 
 from __future__ import annotations
 
-import os
 import re
 import socket
 import threading
@@ -14,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from megascale.ft._procs import pid_alive
 from megascale.ft.config import Timeouts
 from megascale.ft.heartbeat import Heartbeat
 
@@ -54,21 +54,6 @@ class Fault:
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "latency": self.latency}
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # a zombie (exited, not yet reaped by torchrun) is gone for our purposes
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
 
 
 @dataclass
