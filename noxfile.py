@@ -4,6 +4,7 @@
                         alone (the à-la-carte proof), docs
     nox -s tests        every package installed together, every test
     nox -s core         megascale-core alone (likewise lightning, data, ft)
+    nox -s integration  all packages together, the tests that need several (megascale-ft on MegaScaleStrategy)
     nox -s demo         the main job: a real training run on the embedded default data
     nox -s benchmarks   print each benchmark's figures (slow; not part of CI)
 
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import nox
 
-nox.options.sessions = ["lint", "typecheck", "core", "lightning", "data", "ft", "docs"]
+nox.options.sessions = ["lint", "typecheck", "core", "lightning", "data", "ft", "integration", "docs"]
 nox.options.error_on_missing_interpreters = True
 
 CONSTRAINTS = ".ci/constraints.txt"
@@ -68,6 +69,13 @@ def tests(session: nox.Session) -> None:
     deps = [dep for name in PACKAGES for dep in EXTRA_TEST_DEPS[name]]
     _install(session, "packages/megascale-core", *PACKAGES.values(), *TEST_DEPS, *deps)
     _pytest(session, "tests")
+
+
+@nox.session
+def integration(session: nox.Session) -> None:
+    """All four packages installed together; the tests that need several of them (tests/integration)."""
+    _install(session, "packages/megascale-core", *PACKAGES.values(), *TEST_DEPS)
+    _pytest(session, "tests/integration")
 
 
 @nox.session

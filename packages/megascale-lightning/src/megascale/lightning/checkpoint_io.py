@@ -36,7 +36,16 @@ from torch.optim import Optimizer
 
 from megascale.core import GPT, GPTConfig
 
-__all__ = ["META_FILE", "convert_to_torch", "is_checkpoint", "load", "load_gpt", "save"]
+__all__ = [
+    "META_FILE",
+    "apply_states",
+    "convert_to_torch",
+    "is_checkpoint",
+    "load",
+    "load_gpt",
+    "save",
+    "states",
+]
 
 META_FILE = "meta.pt"
 MODEL_KEY = "state_dict"
@@ -56,6 +65,31 @@ def _states(
         before_optimizer_state(optimizer)
         state[f"optimizer_{i}"] = get_optimizer_state_dict(model, optimizer, options=_options(True))
     return state
+
+
+def states(
+    model: nn.Module,
+    optimizers: Sequence[Optimizer],
+    before_optimizer_state: Callable[[Optimizer], None] = lambda _: None,
+) -> dict[str, Any]:
+    """``{"state_dict": model, "optimizer_<i>": ...}`` as DCP state dicts (parameter-name keys, this rank's
+    shards), for a checkpointer that writes them itself; load into them in place, then `apply_states`."""
+    return _states(model, optimizers, before_optimizer_state)
+
+
+def apply_states(
+    model: nn.Module,
+    optimizers: Sequence[Optimizer],
+    state: dict[str, Any],
+    *,
+    strict: bool = True,
+    holds_all_states: Callable[[Optimizer], bool] = lambda _: True,
+) -> None:
+    """Set model and optimizer states from ``state`` (a `states` dict whose tensors were loaded in place)."""
+    set_model_state_dict(model, state[MODEL_KEY], options=_options(strict))
+    for i, optimizer in enumerate(optimizers):
+        options = _options(strict=holds_all_states(optimizer))
+        set_optimizer_state_dict(model, optimizer, state[f"optimizer_{i}"], options=options)
 
 
 def save(
@@ -116,10 +150,7 @@ def load(
     if not optimizers:
         state = {MODEL_KEY: state[MODEL_KEY]}
     dcp.load(state, checkpoint_id=path)
-    set_model_state_dict(model, state[MODEL_KEY], options=_options(strict))
-    for i, optimizer in enumerate(optimizers):
-        options = _options(strict=holds_all_states(optimizer))
-        set_optimizer_state_dict(model, optimizer, state[f"optimizer_{i}"], options=options)
+    apply_states(model, optimizers, state, strict=strict, holds_all_states=holds_all_states)
     return torch.load(path / META_FILE, weights_only=True, map_location="cpu")
 
 

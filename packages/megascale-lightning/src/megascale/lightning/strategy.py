@@ -623,6 +623,31 @@ class MegaScaleStrategy(ParallelStrategy):
             holds_all_states=lambda optimizer: id(optimizer) not in self._zero1,
         )
 
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """Model and optimizer states for a checkpointer of your own (e.g. megascale-ft's ``FaultTolerance``).
+
+        ``{"state_dict": ..., "optimizer_<i>": ...}`` as ``torch.distributed.checkpoint`` state dicts: keyed
+        by parameter name, tensors as this rank's shards (DTensors), as `save_checkpoint` writes them, so any
+        layout works (a ZeRO-1 rank holds the optimizer states it owns). Save it with DCP, or load into it in
+        place with DCP and then call `load_sharded_state_dict`. Waits for ZeRO-1 parameter gathers in flight
+        first, so the parameters are this step's.
+        """
+        self._wait_for_params()
+        assert self.model is not None
+        return checkpoint_io.states(self.model, self.optimizers, self._prepare_optimizer_state)
+
+    def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
+        """Set the model and optimizer states from a `sharded_state_dict` whose tensors were loaded in place."""
+        self._wait_for_params()
+        assert self.model is not None and self.lightning_module is not None
+        checkpoint_io.apply_states(
+            self.model,
+            self.optimizers,
+            state,
+            strict=self.lightning_module.strict_loading,
+            holds_all_states=lambda optimizer: id(optimizer) not in self._zero1,
+        )
+
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
         if self.is_global_zero:

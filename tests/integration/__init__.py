@@ -1,0 +1,1 @@
+"""Tests that need several megascale packages installed together (``nox -s integration``)."""
