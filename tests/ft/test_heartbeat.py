@@ -143,6 +143,21 @@ def test_a_rank_that_beats_without_progress_is_hung():
     assert fault is not None and fault.kind == "hung" and "has not advanced" in fault.message
 
 
+def test_progress_outside_steps_such_as_validation_is_not_a_hang():
+    monitor, clock = _monitor(world=1)
+    monitor.on_heartbeat(_beat(0, 4))
+    for progress in range(1, 9):  # 8 s of validation batches at step 4
+        clock.now += 1
+        beat = _beat(0, 4)
+        beat.progress = progress
+        monitor.on_heartbeat(beat)
+    assert monitor.check() is None
+    clock.now += 6
+    beat.sent += 1  # a later beat, same progress
+    monitor.on_heartbeat(beat)
+    assert monitor.check() is not None
+
+
 def test_startup_may_take_longer_than_a_step_but_not_forever():
     monitor, clock = _monitor(world=2)
     monitor.on_heartbeat(_beat(0, -1))

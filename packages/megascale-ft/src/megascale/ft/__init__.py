@@ -20,6 +20,7 @@ _EXPORTS = {
     "CheckpointError": "megascale.ft.manifest",
     "DriverAddress": "megascale.ft.config",
     "Executor": "megascale.ft.executor",
+    "FaultTolerance": "megascale.ft.lightning",
     "LaunchConfig": "megascale.ft.launcher",
     "Launcher": "megascale.ft.launcher",
     "NonFiniteLossError": "megascale.ft.executor",
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
     from megascale.ft.executor import NonFiniteLossError as NonFiniteLossError
     from megascale.ft.launcher import LaunchConfig as LaunchConfig
     from megascale.ft.launcher import Launcher as Launcher
+    from megascale.ft.lightning import FaultTolerance as FaultTolerance
     from megascale.ft.manifest import CheckpointError as CheckpointError
     from megascale.ft.selfcheck import SelfCheckReport as SelfCheckReport
     from megascale.ft.selfcheck import run_self_checks as run_self_checks

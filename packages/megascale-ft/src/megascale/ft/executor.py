@@ -135,6 +135,12 @@ class Executor:
                 f"rank {self.rank}: {message}; the driver restarts from the last good checkpoint"
             )
 
+    def touch(self) -> None:
+        """Show progress outside training steps (call it per validation batch, or while loading): without
+        it, work longer than the hang timeout between two steps looks like a hang to the driver."""
+        with self._lock:
+            self._beat.progress += 1
+
     def _report(self, status: str, message: str) -> None:
         with self._lock:
             self._beat.status, self._beat.message = status, message

@@ -38,6 +38,9 @@ MAX_BODY = 4 << 20  # timings of a few hundred steps fit; anything larger is not
 class Heartbeat:
     """One report of a rank (executor) to the driver.
 
+    ``progress`` counts work that is not a training step (validation batches, a long checkpoint load): the
+    driver counts a change of ``step`` or ``progress`` as progress.
+
     ``status`` is "running", "finished", "error" (an exception; ``message`` says which) or "nan" (a
     non-finite loss). ``events`` are the timing events since the previous heartbeat (see
     `megascale.ft.timing.StepTimer.drain`).
@@ -48,6 +51,7 @@ class Heartbeat:
     pid: int = field(default_factory=os.getpid)
     attempt: int = 0
     step: int = -1
+    progress: int = 0
     status: str = "running"
     message: str = ""
     loss: float | None = None

@@ -60,7 +60,7 @@ class Fault:
 class _Rank:
     beat: Heartbeat
     seen: float  # driver clock of the last heartbeat
-    progressed: float  # driver clock of the last step change
+    progressed: float  # driver clock of the last change of step or progress
     first_step_done: bool
 
 
@@ -89,7 +89,8 @@ class JobMonitor:
             prev = self._ranks.get(beat.rank)
             if prev is not None and prev.beat.pid == beat.pid and beat.sent and beat.sent < prev.beat.sent:
                 return  # an older heartbeat overtaken by a newer one
-            progressed = now if prev is None or beat.step != prev.beat.step else prev.progressed
+            moved = prev is None or (beat.step, beat.progress) != (prev.beat.step, prev.beat.progress)
+            progressed = now if moved else prev.progressed
             done = beat.step >= 0 or (prev is not None and prev.first_step_done)
             self._ranks[beat.rank] = _Rank(beat, now, progressed, done)
             self.hosts[beat.rank] = beat.host
@@ -150,8 +151,6 @@ class JobMonitor:
                 continue
             limit = t.hang_timeout if r.first_step_done else t.startup_timeout
             if now - r.progressed > limit:
-                message = (
-                    f"step {r.beat.step} has not advanced for {now - r.progressed:.1f} s (limit {limit} s)"
-                )
+                message = f"step {r.beat.step} (progress {r.beat.progress}) has not advanced for {now - r.progressed:.1f} s (limit {limit} s)"
                 return Fault("hung", rank, r.beat.host, message, now, r.progressed)
         return None
