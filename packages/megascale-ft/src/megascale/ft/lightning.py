@@ -286,13 +286,14 @@ class FaultTolerance(Callback):
         with self.executor.timer.section("checkpoint"):
             self.checkpointer.save(step, state)
 
-    # --- ends -----------------------------------------------------------------------------------------------
     def on_validation_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:  # fmt: skip
-        self.executor.touch()  # validation between two steps is progress, not a hang
+        if self.executor is not None:
+            self.executor.touch()  # validation between two steps is progress, not a hang
 
+    # --- ends -----------------------------------------------------------------------------------------------
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._close_step()
         if self._capture is not None:  # the last step was a checkpoint step: no next batch will come

@@ -89,8 +89,10 @@ class JobMonitor:
             prev = self._ranks.get(beat.rank)
             if prev is not None and prev.beat.pid == beat.pid and beat.sent and beat.sent < prev.beat.sent:
                 return  # an older heartbeat overtaken by a newer one
-            moved = prev is None or (beat.step, beat.progress) != (prev.beat.step, prev.beat.progress)
-            progressed = now if moved else prev.progressed
+            if prev is None or (beat.step, beat.progress) != (prev.beat.step, prev.beat.progress):
+                progressed = now
+            else:
+                progressed = prev.progressed
             done = beat.step >= 0 or (prev is not None and prev.first_step_done)
             self._ranks[beat.rank] = _Rank(beat, now, progressed, done)
             self.hosts[beat.rank] = beat.host
