@@ -23,9 +23,11 @@ _EXPORTS = {
     "ShardNotFoundError": "megascale.data.sources",
     "ShardReadError": "megascale.data.sources",
     "Source": "megascale.data.sources",
+    "StdlibShards": "megascale.data.stdlib",
     "WebDataConfig": "megascale.data.config",
     "WebDataModule": "megascale.data.datamodule",
     "WebLoader": "megascale.data.loader",
+    "build_stdlib_shards": "megascale.data.stdlib",
     "load_tokenizer": "megascale.data.tokenize",
     "merge_states": "megascale.data.loader",
 }
@@ -43,6 +45,8 @@ if TYPE_CHECKING:
     from megascale.data.sources import ShardNotFoundError as ShardNotFoundError
     from megascale.data.sources import ShardReadError as ShardReadError
     from megascale.data.sources import Source as Source
+    from megascale.data.stdlib import StdlibShards as StdlibShards
+    from megascale.data.stdlib import build_stdlib_shards as build_stdlib_shards
     from megascale.data.tokenize import load_tokenizer as load_tokenizer
 
 

@@ -15,14 +15,13 @@ import os
 import random
 import re
 import sys
-import tarfile
 from collections.abc import Iterable, Iterator
-from typing import Any, BinaryIO
+from typing import Any
 
 from fsspec.core import url_to_fs
 from tqdm import tqdm
 
-from megascale.data.sources import open_output
+from megascale.data.writer import ShardWriter
 
 __all__ = ["main"]
 
@@ -100,53 +99,6 @@ def _documents(fs: Any, path: str, split: str) -> Iterator[str]:
         raise UsageError(f"input {path} is not UTF-8 text: {e}") from e
 
 
-class _ShardWriter:
-    """Writes samples into PREFIX-%06d.tar, starting a new shard at `max_docs` documents or `max_bytes`."""
-
-    def __init__(self, output: str, prefix: str, max_docs: int, max_bytes: int, options: dict[str, Any]):
-        self.output, self.prefix, self.options = output.rstrip("/"), prefix, options
-        self.max_docs, self.max_bytes = max_docs, max_bytes
-        self.shards = self.docs = self.bytes = 0
-        self._file: BinaryIO | None = None
-        self._tar: tarfile.TarFile | None = None
-        self._shard_docs = self._shard_bytes = 0
-
-    def shard_url(self, index: int) -> str:
-        return f"{self.output}/{self.prefix}-{index:06d}.tar"
-
-    def write(self, text: str) -> None:
-        data = text.encode("utf-8")
-        full = self._shard_docs >= self.max_docs or self._shard_bytes + len(data) > self.max_bytes
-        if self._tar is None or (self._shard_docs and full):
-            self._roll()
-        info = tarfile.TarInfo(f"{self.docs:09d}.txt")
-        # A fixed mtime: identical inputs make identical shards.
-        info.size, info.mode, info.mtime = len(data), 0o644, 0
-        assert self._tar is not None
-        self._tar.addfile(info, io.BytesIO(data))
-        self.docs, self.bytes = self.docs + 1, self.bytes + len(data)
-        self._shard_docs, self._shard_bytes = self._shard_docs + 1, self._shard_bytes + len(data)
-
-    def _roll(self) -> None:
-        self.close()
-        self._file = open_output(self.shard_url(self.shards), self.options)
-        self._tar = tarfile.open(fileobj=self._file, mode="w|")  # noqa: SIM115 - closed by close()
-        self.shards += 1
-        self._shard_docs = self._shard_bytes = 0
-
-    def close(self) -> None:
-        if self._tar is not None:
-            self._tar.close()
-        if self._file is not None:
-            self._file.close()
-        self._tar = self._file = None
-
-    def pattern(self) -> str:
-        if self.shards == 1:
-            return self.shard_url(0)
-        return f"{self.output}/{self.prefix}-{{{0:06d}..{self.shards - 1:06d}}}.tar"
-
-
 def shard(args: argparse.Namespace) -> int:
     """The `shard` subcommand."""
     options = dict(args.storage_option or [])
@@ -165,7 +117,7 @@ def shard(args: argparse.Namespace) -> int:
     if args.shuffle:
         docs = list(docs)
         random.Random(args.seed).shuffle(docs)
-    writer = _ShardWriter(output, args.prefix, args.max_docs, args.max_bytes, options)
+    writer = ShardWriter(output, args.prefix, args.max_docs, args.max_bytes, options)
     try:
         for doc in tqdm(docs, desc="documents", unit="doc", file=sys.stderr, disable=None):
             writer.write(doc)
@@ -226,7 +178,35 @@ def build_parser() -> argparse.ArgumentParser:
         "--overwrite", action="store_true", help="replace existing PREFIX-*.tar shards in the output"
     )
     p.set_defaults(func=shard)
+    q = commands.add_parser(
+        "stdlib",
+        help="write the Python standard library's sources as train/val shards (the embedded dataset)",
+        description="Write the stdlib's .py files (one document each) as train-*.tar and val-*.tar shards, "
+        "or find them when already built for this Python; prints the two patterns as JSON.",
+    )
+    q.add_argument(
+        "--output", default=".cache/megascale/stdlib", help="local directory (default: %(default)s)"
+    )
+    q.add_argument("--val-percent", type=float, default=5.0, help="files held out (default: 5)")
+    q.add_argument("--max-docs", type=int, default=64, help="files per shard (default: 64)")
+    q.add_argument("--force", action="store_true", help="rebuild even when built already")
+    q.set_defaults(func=stdlib)
     return parser
+
+
+def stdlib(args: argparse.Namespace) -> int:
+    """The `stdlib` subcommand."""
+    from megascale.data.stdlib import build_stdlib_shards
+
+    try:
+        shards = build_stdlib_shards(
+            args.output, val_percent=args.val_percent, max_docs=args.max_docs, force=args.force
+        )
+    except (ValueError, FileNotFoundError) as e:
+        raise UsageError(str(e)) from e
+    print(json.dumps({"train": shards.train, "val": shards.val, "train_docs": shards.train_docs,
+                      "val_docs": shards.val_docs, "bytes": shards.bytes}))  # fmt: skip
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
