@@ -57,6 +57,28 @@ def test_source_validates_weight():
         Source("/d/x.tar", weight=float("nan"))
 
 
+def test_a_config_whose_source_is_not_a_source_says_what_to_write():
+    from megascale.data import WebDataConfig
+
+    with pytest.raises(TypeError, match=r"sources\[0\] is \{'url': .*'urls' required"):
+        WebDataConfig(sources=[{"url": "/d/x.tar"}], seq_len=8, batch_size=1)
+
+
+def test_config_type_hints_resolve_so_yaml_configs_build_sources():
+    """LightningCLI/jsonargparse build nested dataclasses from type hints: they must resolve."""
+    import typing
+
+    from megascale.data import WebDataConfig
+
+    hints = typing.get_type_hints(WebDataConfig)
+    assert hints["sources"] == list[Source]
+    jsonargparse = pytest.importorskip("jsonargparse")
+    parser = jsonargparse.ArgumentParser()
+    parser.add_argument("--data", type=WebDataConfig)
+    parsed = parser.parse_args(['--data={"sources": [{"urls": "/d/x.tar"}], "seq_len": 8, "batch_size": 1}'])
+    assert parser.instantiate(parsed).data.sources == [Source("/d/x.tar")]
+
+
 # ------------------------------------------------------------------------------------------- local
 
 

@@ -188,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--output", default=".cache/megascale/stdlib", help="local directory (default: %(default)s)"
     )
     q.add_argument("--val-percent", type=float, default=5.0, help="files held out (default: 5)")
-    q.add_argument("--max-docs", type=int, default=64, help="files per shard (default: 64)")
+    q.add_argument("--max-docs", type=int, default=32, help="files per training shard (default: 32)")
     q.add_argument("--force", action="store_true", help="rebuild even when built already")
     q.set_defaults(func=stdlib)
     return parser

@@ -54,6 +54,12 @@ class WebDataConfig:
     def __post_init__(self) -> None:
         if not self.sources:
             raise ValueError("WebDataConfig(sources=[]): give at least one Source")
+        for i, source in enumerate(self.sources):
+            if not isinstance(source, Source):
+                raise TypeError(
+                    f"WebDataConfig.sources[{i}] is {source!r}, not a Source: give Source(urls=..., weight=..., "
+                    "storage_options=..., text_key=...) (in YAML: a mapping with those keys, 'urls' required)"
+                )
         for name in ("seq_len", "batch_size", "prefetch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"WebDataConfig({name}={getattr(self, name)}): must be >= 1")

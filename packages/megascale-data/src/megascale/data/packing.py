@@ -18,7 +18,7 @@ from megascale.data.tokenize import Tokenizer
 
 __all__ = ["Preprocess", "TextPreprocess", "pack"]
 
-Preprocess = Callable[[dict[str, Any]], "np.ndarray | None"]
+Preprocess = Callable[[dict[str, Any]], np.ndarray | None]  # evaluated here: resolvable wherever used
 """Maps one WebDataset sample (``{"__key__": ..., "txt": b"...", ...}``) to a document's token ids (1-D
 integer array, without end-of-sequence), or None to skip the sample. Must be picklable (a module-level
 function or an instance of a module-level class): it runs in the reader's worker processes."""

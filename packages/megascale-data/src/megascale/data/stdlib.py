@@ -67,14 +67,15 @@ def _documents(files: list[Path], root: Path, val: bool, val_percent: float) -> 
 
 
 def build_stdlib_shards(
-    output: str | Path, *, val_percent: float = 5.0, max_docs: int = 64, force: bool = False
+    output: str | Path, *, val_percent: float = 5.0, max_docs: int = 32, force: bool = False
 ) -> StdlibShards:
     """Write (or find, when already built for this Python) the stdlib as train and validation shards.
 
     Args:
         output: a local directory; shards go to ``train-*.tar`` and ``val-*.tar`` inside it.
         val_percent: share of files held out for validation.
-        max_docs: files per training shard (the default makes ~11; validation shards hold an eighth).
+        max_docs: files per training shard (the default makes ~22, enough lanes for a global batch of 16;
+            validation shards hold an eighth).
         force: rebuild even when a finished build is there.
     """
     if not 0 < val_percent < 100:

@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from lightning.pytorch import LightningDataModule
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 
 from megascale.lightning import configs
@@ -113,7 +114,7 @@ def main(args: ArgsType = None) -> None:
             args = resolved
     MegaScaleCLI(
         GPTModule,
-        TokenDataModule,
+        LightningDataModule,  # any data module; TokenDataModule by default (add_arguments_to_parser)
         subclass_mode_data=True,
         save_config_kwargs={"overwrite": True},
         seed_everything_default=0,
