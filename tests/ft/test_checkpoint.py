@@ -20,7 +20,7 @@ from fsspec import register_implementation
 from fsspec.implementations.local import LocalFileSystem
 
 from megascale.ft.checkpoint import CheckpointError, TwoStageCheckpointer
-from megascale.ft.manifest import Manifest, hash_file, list_files, write_manifest
+from megascale.ft.manifest import Manifest, SafeFsspecReader, hash_file, list_files, write_manifest
 from tests._dist import run_distributed
 
 # DCP says so on every single-process save/load; that is the intended mode here.
@@ -174,6 +174,39 @@ def test_round_trip_on_s3_two_ranks(s3_server: Any, s3_bucket: str) -> None:
     )
 
 
+# --- partial states: each rank holds its own part (pipeline stages, ZeRO-1 owners) -----------------------------
+def _partial_worker(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    def part(value: float) -> dict[str, Any]:  # this rank's layer and setting, plus one both hold
+        return {"w": {f"layer{rank}": torch.full((64,), value), f"lr{rank}": value, "shared": torch.ones(2)}}
+
+    ckpt = TwoStageCheckpointer(root)
+    ckpt.save(1, part(float(rank + 1)))
+    ckpt.wait()
+    with pytest.raises(CheckpointError, match=rf"holds tensors under w\.layer{1 - rank} but the state"):
+        ckpt.load(part(0.0))  # not partial: the other rank's entries are an error
+    fresh = part(0.0)
+    assert ckpt.load(fresh, partial=True) == 1
+    assert ckpt.last_load is not None
+    read = ckpt.last_load.tensor_bytes
+    lacking = {"w": {**part(0.0)["w"], "layer9": torch.zeros(64)}}
+    with pytest.raises(CheckpointError, match=rf"rank {rank}: .* has no entries \['w\.layer9'\]"):
+        ckpt.load(lacking, partial=True)  # an entry the checkpoint lacks stays an error, on every rank
+    ckpt.close()
+    return {"loaded": fresh["w"], "read": read}
+
+
+def test_partial_load_reads_only_this_ranks_entries(tmp_path: Path) -> None:
+    results = run_distributed(_partial_worker, 2, str(tmp_path), timeout=90)
+    metadata = SafeFsspecReader(str(tmp_path / "step-000000001")).read_metadata()
+    stored = {index.fqn: info.length for index, info in metadata.storage_data.items()}
+    for rank, result in enumerate(results):
+        value = float(rank + 1)
+        assert result["loaded"].keys() == {f"layer{rank}", f"lr{rank}", "shared"}  # nothing of the other rank
+        assert result["loaded"][f"lr{rank}"] == value
+        assert torch.equal(result["loaded"][f"layer{rank}"], torch.full((64,), value))
+        assert result["read"] == stored[f"w.layer{rank}"] + stored["w.shared"]  # not the other layer
+
+
 # --- stage 1 / stage 2 ------------------------------------------------------------------------------------
 class _GatedFS(LocalFileSystem):
     """Local files whose DCP data writes block until `gate` opens: stage 2 made observable."""
@@ -289,6 +322,17 @@ def test_corrupt_latest_is_skipped_for_the_previous(tmp_path: Path) -> None:
         assert _load_w(tmp_path) == (10, 10.0, 10)
     with pytest.raises(CheckpointError, match=r"step-000000020 under .* is corrupt"):
         _load_w(tmp_path, 20)
+
+
+def test_manifest_of_a_committed_step_and_refusal_of_a_partial_one(tmp_path: Path) -> None:
+    _save_steps(tmp_path, [10, 20])
+    (tmp_path / "step-000000020" / "manifest.json").unlink()
+    ckpt = TwoStageCheckpointer(str(tmp_path))
+    manifest = ckpt.manifest(10)
+    assert (manifest.step, manifest.world_size) == (10, 1) and "extra.json" in manifest.files
+    for step in (20, 30):  # partial, missing
+        with pytest.raises(CheckpointError, match=rf"step-0000000{step} under .* partial \(no manifest"):
+            ckpt.manifest(step)
 
 
 def test_keep_last_prunes_old_and_stale_partial_checkpoints(tmp_path: Path) -> None:

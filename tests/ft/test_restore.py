@@ -158,6 +158,31 @@ def test_dp_tp_each_dp_group_reads_its_shard_once(tmp_path: Path) -> None:
     assert all("rank 1 holds other tensors than its reader, rank 0" in r["refused"] for r in results)
 
 
+# --- per-rank entries (RNG states) next to replicated ones ---------------------------------------------------
+def _per_rank_worker(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    ckpt = TwoStageCheckpointer(root)
+    rng = f"rng_rank{rank}"
+    ckpt.save(1, {"w": torch.full((64,), 7.0), rng: torch.tensor([rank + 100])})
+    ckpt.wait()
+    state = {"w": torch.zeros(64), rng: torch.tensor([-1])}
+    with pytest.raises(CheckpointError, match=r"rank 1 holds other tensors than its reader"):
+        ckpt.load(state, replicas=dist.group.WORLD)  # the rng keys differ: not replicas
+    assert ckpt.load(state, replicas=dist.group.WORLD, per_rank=[rng]) == 1
+    ckpt.close()
+    return {"w": state["w"].unique().tolist(), "rng": state[rng].item(), "stats": _stats(ckpt)}
+
+
+def test_per_rank_entries_are_read_by_each_rank_the_rest_broadcast(tmp_path: Path) -> None:
+    results = run_distributed(_per_rank_worker, 2, str(tmp_path), timeout=60)
+    metadata = SafeFsspecReader(str(tmp_path / "step-000000001")).read_metadata()
+    stored = {index.fqn: info.length for index, info in metadata.storage_data.items()}
+    for rank, r in enumerate(results):
+        assert (r["w"], r["rng"]) == ([7.0], rank + 100)
+    assert results[0]["stats"]["tensor_bytes"] == stored["w"] + stored["rng_rank0"]
+    assert results[1]["stats"]["tensor_bytes"] == stored["rng_rank1"]  # w came by broadcast
+    assert results[1]["stats"]["broadcast_bytes"] == 64 * 4
+
+
 # --- a broken latest checkpoint is skipped ------------------------------------------------------------------
 def _fallback_worker(rank: int, world_size: int, root: str) -> dict[str, Any]:
     ckpt = TwoStageCheckpointer(root)

@@ -1,17 +1,19 @@
 """A tiny megascale GPT fitted with MegaScaleStrategy and `FaultTolerance`, under ``megascale-ft launch``.
 
     megascale-ft launch --nproc-per-node 2 -- tests/integration/_fit_megascale.py CKPT_DIR OUT.pt [--tp 2]
-        [--zero-stage 1] [--every 2] [--max-bytes 20000] [--fault sigkill@STEP:RANK]
+        [--pp 1] [--zero-stage 1] [--every 2] [--max-bytes 20000] [--fault sigkill@STEP:RANK]
 
 GPTModule (AdamW, warmup + cosine schedule, gradient clipping) on TokenDataModule (shuffled, resumable) with
 dropout drawing from each rank's own generator. A fault fires in the first attempt only
 (``MEGASCALE_FT_ATTEMPT=0``): ``sigkill`` kills rank RANK in training_step at optimizer step STEP.
-Rank 0 writes OUT.pt: {"weights": the whole model (gathered), "restored_step": the step resumed from}.
+Rank 0 writes OUT.pt: {"weights": the whole model (gathered from every tp shard and pipeline stage),
+"restored_step": the step resumed from, "restores": every rank's `FaultTolerance.restore_stats` as a dict}.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import signal
 import sys
@@ -50,6 +52,7 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--zero-stage", type=int, default=1)
     parser.add_argument("--every", type=int, default=2, help="checkpoint every this many steps")
     parser.add_argument("--max-bytes", type=int, default=20_000, help="tokens (210: 12 training windows)")
@@ -64,18 +67,24 @@ def main() -> None:
     )
     torch.manual_seed(100 + int(os.environ.get("RANK", "0")))  # a different dropout stream per rank
     ft = FaultTolerance(args.ckpt, every_n_steps=args.every, keep_last=2)
-    strategy = MegaScaleStrategy(tp=args.tp, zero_stage=args.zero_stage, timeout=ft.collective_timeout)
+    strategy = MegaScaleStrategy(
+        tp=args.tp, pp=args.pp, zero_stage=args.zero_stage, timeout=ft.collective_timeout
+    )
     trainer = Trainer(
         accelerator="cpu", devices=world, strategy=strategy, max_steps=args.steps, callbacks=[ft],
         gradient_clip_val=0.5, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
     )  # fmt: skip
     trainer.fit(model, datamodule=data)
-    # the whole model on every rank (a collective over the tensor-parallel shards)
+    # this stage's whole layers on every rank (a collective over the tensor-parallel shards), then all stages
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    restore = None if ft.restore_stats is None else dataclasses.asdict(ft.restore_stats)
+    parts: list[Any] = [None] * world
+    dist.all_gather_object(parts, ({k: v.detach().clone() for k, v in full.items()}, restore))
     if trainer.global_rank == 0:
-        weights = {k: v.detach().clone() for k, v in full.items()}
-        torch.save({"weights": weights, "restored_step": ft.restored_step}, args.out)
+        weights = {k: v for stage, _ in parts for k, v in stage.items()}
+        restores = [r for _, r in parts]
+        torch.save({"weights": weights, "restored_step": ft.restored_step, "restores": restores}, args.out)
     dist.barrier()
     dist.destroy_process_group()
     sys.stdout.flush()

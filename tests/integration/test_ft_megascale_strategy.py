@@ -1,56 +1,75 @@
 """megascale-ft's `FaultTolerance` with megascale-lightning's MegaScaleStrategy, under ``megascale-ft launch``.
 
-A tiny GPT (dropout on, AdamW, warmup + cosine, clipping) on the resumable TokenDataModule, 8 steps on 2 CPU
-ranks with a checkpoint every 3: rank 1 is killed at step 7 of the first attempt; the driver reports it dead,
+A tiny GPT (dropout on, AdamW, warmup + cosine, clipping) on the resumable TokenDataModule, 8 steps with a
+checkpoint every 3: the last rank is killed at step 7 of the first attempt; the driver reports it dead,
 restarts, and the fit resumes from the last committed checkpoint and ends with weights bit for bit equal to
-an uninterrupted fit of the same layout. The data holds 12 windows, so an epoch is 3 steps at tp2 (1 at dp2)
-and every checkpoint falls on an epoch boundary, where the uninterrupted run draws from the global RNG for
-its new data iterator between the checkpoint step's end and the next step's start. Layouts: tp2 (DTensor shards, sequence-parallel dropout on each
-rank's own generator) and dp2/ZeRO-2 (FSDP2: parameters and optimizer states as DTensor shards over dp).
-Layouts whose ranks hold different entries (ZeRO-1 with dp > 1, pipelines) are refused at setup.
-Bitwise holds here because with two ranks every reduction is a single commutative addition.
+an uninterrupted fit of the same layout. The data holds 12 windows, so an epoch is 3 steps with dp=1 (1 at
+dp2) and every checkpoint falls on an epoch boundary, where the uninterrupted run draws from the global RNG
+for its new data iterator between the checkpoint step's end and the next step's start.
+
+Layouts: tp2 (DTensor shards, sequence-parallel dropout on each rank's own generator); dp2 with ZeRO-2 (FSDP2:
+parameters and optimizer states as DTensor shards over dp), ZeRO-1 (each rank holds the optimizer states it
+owns: partial load) and ZeRO-0 (replicas: one rank reads, the other receives by broadcast); pp2 (each rank
+holds one pipeline stage: partial load); tp2 × pp2 on 4 ranks (the main job's layout).
+Bitwise holds because every reduction here adds two values (dp2, tp2), which is commutative, or none (pp).
 """
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from tests.ft.test_lightning import launch
-from tests.lightning._launch import ROOT, clean_env, free_port
+from tests.lightning._launch import ROOT, clean_env
 
 SCRIPT = "tests/integration/_fit_megascale.py"
-LAYOUTS = {"tp2": ["--tp", "2"], "dp2/zero2": ["--tp", "1", "--zero-stage", "2"]}
+LAYOUTS = {  # name: (ranks, script arguments)
+    "tp2": (2, ["--tp", "2"]),
+    "dp2/zero2": (2, ["--tp", "1", "--zero-stage", "2"]),
+    "dp2/zero1": (2, ["--tp", "1", "--zero-stage", "1"]),
+    "dp2/zero0": (2, ["--tp", "1", "--zero-stage", "0"]),
+    "pp2": (2, ["--tp", "1", "--pp", "2"]),
+    "tp2xpp2": (4, ["--tp", "2", "--pp", "2"]),
+}
 DATA = ["--every", "3", "--max-bytes", "210"]
+
+
+def launch(tmp_path: Path, ranks: int, *script_args: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Run the fit on ``ranks`` processes under the launcher; return (OUT.pt, report.json)."""
+    run_dir, out = tmp_path / "run", tmp_path / "out.pt"
+    command = [
+        sys.executable, "-m", "megascale.ft.cli", "launch", "--nproc-per-node", str(ranks), "--no-self-check",
+        "--heartbeat-interval", "0.5", "--hang-timeout", "3", "--collective-timeout", "8",
+        "--max-restarts", "2", "--run-dir", str(run_dir), "--", SCRIPT, str(tmp_path / "ckpt"), str(out),
+        *script_args,
+    ]  # fmt: skip
+    proc = subprocess.run(command, env=clean_env(), cwd=ROOT, capture_output=True, text=True, timeout=240)
+    if proc.returncode != 0 or not out.exists():
+        raise AssertionError(f"launch failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return torch.load(out, weights_only=True), json.loads((run_dir / "report.json").read_text())
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_a_killed_rank_restarts_and_the_fit_ends_bitwise_equal(tmp_path: Path, layout: str) -> None:
-    args = [*LAYOUTS[layout], *DATA]
-    reference, report = launch(tmp_path / "uninterrupted", *args, script=SCRIPT)
+    ranks, args = LAYOUTS[layout]
+    reference, report = launch(tmp_path / "uninterrupted", ranks, *args, *DATA)
     assert len(report["attempts"]) == 1 and reference["restored_step"] is None
-    result, report = launch(tmp_path / "faulty", *args, "--fault", "sigkill@7:1", script=SCRIPT)
+    whole = {"model.embed.weight", "model.blocks.0.norm.weight", "model.blocks.1.norm.weight"}
+    assert whole | {"model.head.proj.logits.weight"} <= reference["weights"].keys()  # every stage's layers
+    last = ranks - 1  # with a pipeline: a rank of the last stage
+    result, report = launch(tmp_path / "faulty", ranks, *args, *DATA, "--fault", f"sigkill@7:{last}")
     attempts = report["attempts"]
     assert report["ok"] and len(attempts) == 2
-    assert attempts[0]["fault"]["kind"] == "dead" and attempts[0]["fault"]["rank"] == 1
+    assert attempts[0]["fault"]["kind"] == "dead" and attempts[0]["fault"]["rank"] == last
     assert result["restored_step"] in (3, 6)  # 6 may still have been persisting at the kill
+    readers = [r["reader"] for r in result["restores"]]
+    assert readers == ([True, False] if layout == "dp2/zero0" else [True] * ranks)  # broadcast only there
     assert result["weights"].keys() == reference["weights"].keys()
     for key, value in reference["weights"].items():
         assert torch.equal(result["weights"][key], value), f"{layout}: {key} differs"
-
-
-def test_zero1_with_data_parallel_is_refused_at_setup(tmp_path: Path) -> None:
-    """Its ranks hold different optimizer entries, which could be saved but not restored: refused at once."""
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-        "--master-port", str(free_port()), SCRIPT, str(tmp_path / "ckpt"), str(tmp_path / "out.pt"),
-        "--tp", "1", "--zero-stage", "1",
-    ]  # fmt: skip
-    proc = subprocess.run(command, env=clean_env(), cwd=ROOT, capture_output=True, text=True, timeout=240)
-    assert proc.returncode != 0
-    assert "FaultTolerance does not support ZeRO-1 with dp=2" in proc.stderr

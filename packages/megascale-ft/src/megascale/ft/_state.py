@@ -114,12 +114,13 @@ def decode(encoded: Any, path: tuple[Any, ...]) -> Any:
     raise ValueError(f"checkpoint entry {_name(path)} has an unknown tag {tag!r}")
 
 
-def merge(target: Any, encoded: Any, path: tuple[Any, ...]) -> Any:
+def merge(target: Any, encoded: Any, path: tuple[Any, ...], *, partial: bool = False) -> Any:
     """Merge decoded non-tensor values into ``target``; return the value to store at ``path``.
 
     Tensors are not touched here (DCP loaded them in place). Dicts and same-length lists are updated in
-    place; tuples are rebuilt around the same tensor objects; keys the target lacks are added when they
-    hold no tensor.
+    place; tuples are rebuilt around the same tensor objects. A subtree without tensors is replaced whole.
+    In a dict holding tensors, a key the target lacks is an error, or skipped with ``partial`` (the target
+    holds only its part of the checkpoint: a pipeline stage, a ZeRO-1 owner's optimizer states).
 
     Raises:
         ValueError: the checkpoint holds a tensor where the target has none (it cannot be loaded in place),
@@ -139,15 +140,17 @@ def merge(target: Any, encoded: Any, path: tuple[Any, ...]) -> Any:
         return decode(encoded, path)
     if tag == "dict" and isinstance(target, dict):
         for k, v in body:
+            if k not in target and partial:
+                continue
             if k not in target:
                 raise ValueError(
                     f"checkpoint holds tensors under {_name((*path, k))} but the state to load into has no "
                     "such entry: build the full state first (e.g. step the optimizer once) before loading"
                 )
-            target[k] = merge(target[k], v, (*path, k))
+            target[k] = merge(target[k], v, (*path, k), partial=partial)
         return target
     if tag in ("list", "tuple") and isinstance(target, list | tuple) and len(target) == len(body):
-        merged = [merge(t, v, (*path, i)) for i, (t, v) in enumerate(zip(target, body))]
+        merged = [merge(t, v, (*path, i), partial=partial) for i, (t, v) in enumerate(zip(target, body))]
         if tag == "list" and isinstance(target, list):
             target[:] = merged
             return target
@@ -156,6 +159,27 @@ def merge(target: Any, encoded: Any, path: tuple[Any, ...]) -> Any:
         f"checkpoint holds a {tag} with tensors at {_name(path)} but the state to load into has a "
         f"{type(target).__name__} there: give it the same structure as the saved state"
     )
+
+
+def missing(target: Any, encoded: Any, path: tuple[Any, ...]) -> list[str]:
+    """Names of the entries of ``target`` that the checkpoint's ``encoded`` lacks and `merge` would keep.
+
+    Checked where `merge` walks key by key: in dicts (and same-length lists, tuples) holding tensors. A
+    subtree without tensors is replaced whole by the checkpoint's, so its keys are not compared.
+    """
+    if not _has_tensor(encoded):
+        return []
+    ((tag, body),) = encoded.items()
+    pairs: list[tuple[Any, Any, Any]]
+    if tag == "dict" and isinstance(target, dict):
+        saved = dict(body)
+        lacking = [_name((*path, k)) for k in target if k not in saved]
+        pairs = [(k, v, saved[k]) for k, v in target.items() if k in saved]
+    elif tag in ("list", "tuple") and isinstance(target, list | tuple) and len(target) == len(body):
+        lacking, pairs = [], [(i, t, v) for i, (t, v) in enumerate(zip(target, body))]
+    else:
+        return []  # a mismatch `merge` reports
+    return lacking + [m for k, t, v in pairs for m in missing(t, v, (*path, k))]
 
 
 def union(encodings: Sequence[Any]) -> Any:

@@ -31,6 +31,11 @@ Design choices:
 - Restore by broadcast: ``load(state, replicas=group)`` reads tensor data on one rank per group of
   replicas and broadcasts it to the others (see `megascale.ft.restore`); `last_load` says what a load
   read from storage.
+- Partial states: ``load(state, partial=True)`` lets each rank hold only its part (a pipeline stage, a
+  ZeRO-1 owner's optimizer states). DCP reads only the entries a state asks for anyway; what ``partial``
+  changes is the check of ``extra.json``: checkpoint entries the state lacks are skipped, not refused.
+  Entries the state holds and the checkpoint lacks are refused either way, on every rank before any read
+  (so DCP's ``allow_partial_load``, which would silently skip those, stays off).
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ import re
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from typing import Any, cast
@@ -398,28 +403,58 @@ class TwoStageCheckpointer:
             raise CheckpointError(f"{error}; check the path and storage_options")
         return cast("int | None", found)
 
+    def manifest(self, step: int) -> Manifest:
+        """The manifest of the committed checkpoint of ``step``: its world size, files, torch version.
+
+        Reads ``manifest.json`` on this rank (not collective); does not verify the files (`latest` and
+        `load` do).
+
+        Raises:
+            CheckpointError: ``step`` has no committed checkpoint (missing or partial), or its manifest is
+                unreadable.
+        """
+        where = self._where(step)
+        try:
+            manifest = read_manifest(self._fs, self._dir(step), where)
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise CheckpointError(f"{where}: cannot read its {MANIFEST_NAME} ({e!r})") from e
+        if manifest is None:
+            raise CheckpointError(f"{where} does not exist or is partial (no {MANIFEST_NAME})")
+        return manifest
+
     def load(
         self,
         state: dict[str, Any],
         step: int | None = None,
         *,
         replicas: dist.ProcessGroup | None = None,
+        partial: bool = False,
+        per_rank: Collection[str] = (),
     ) -> int:
         """Load a checkpoint into ``state`` in place (resharding to the current layout) and return its step.
 
         Args:
             state: the structure to load into, as given to `save` (tensors are overwritten in place,
-                modules/optimizers get ``load_state_dict``). Top-level keys it lacks are not loaded.
+                modules/optimizers get ``load_state_dict``). Top-level keys it lacks are not loaded; entries
+                it holds that the checkpoint lacks are an error.
             step: the step to load; default: `latest`.
             replicas: the ranks whose tensor state is identical to this rank's: for plain DDP the whole
                 world, for dp × tp layouts this rank's DP group (``mesh["dp"].get_group()``). Only its
                 first rank reads tensor data from storage and broadcasts it to the others, so storage
                 reads drop by the group's size. Pass it on every rank or on none; every member must
                 load with this checkpointer. Default: every rank reads its own tensors.
+            partial: this rank's ``state`` holds only its part of the checkpoint (a pipeline stage's
+                layers, the optimizer states a ZeRO-1 rank owns): checkpoint entries it lacks are skipped
+                instead of being an error, and only what it holds is read.
+            per_rank: top-level keys of ``state`` holding per-rank values under rank-specific keys (RNG
+                states): with ``replicas``, every rank reads these itself. Pass the same on every rank.
 
         Raises:
             CheckpointError: no intact checkpoint, or the requested one is partial, corrupt or unsafe, or
-                a reader failed (raised on every rank), or ``replicas`` does not hold identical state.
+                lacks entries ``state`` holds, or a reader failed (raised on every rank), or ``replicas``
+                does not hold identical state.
         """
         if replicas is not None and not self._distributed:
             raise ValueError("replicas needs torch.distributed to be initialized")
@@ -440,21 +475,6 @@ class TwoStageCheckpointer:
         where = self._where(step)
         stats = LoadStats(step=step)
 
-        error = None
-        encoded: dict[str, Any] = {}
-        try:
-            raw = self._fs.cat_file(f"{self._dir(step)}/{EXTRA_NAME}")
-            stats.metadata_bytes += len(raw)
-            encoded = dict(json.loads(raw)["state"]["dict"])
-            missing = [k for k in state if k not in encoded]
-            if missing:
-                error = f"has no entries {missing}: remove them from the state to load, or load another step"
-        except Exception as e:
-            error = f"has an unreadable {EXTRA_NAME} ({e!r}): load another step"
-        errors = [f"rank {r}: {where} {e}" for r, e in enumerate(self._gather(error)) if e is not None]
-        if errors:  # raised on every rank, before DCP's collectives, so no rank is left waiting
-            raise CheckpointError("; ".join(errors))
-
         loaders: dict[str, Callable[[Any], Any]] = {}
         plain: dict[str, Any] = {}
         for key, value in state.items():
@@ -467,11 +487,33 @@ class TwoStageCheckpointer:
                 loaders[key] = value.load_state_dict
             else:
                 plain[key] = value
+
+        error = None
+        encoded: dict[str, Any] = {}
+        try:
+            raw = self._fs.cat_file(f"{self._dir(step)}/{EXTRA_NAME}")
+            stats.metadata_bytes += len(raw)
+            encoded = dict(json.loads(raw)["state"]["dict"])
+            lacking = [k for k in plain if k not in encoded]
+            lacking += [m for k in plain if k in encoded for m in _state.missing(plain[k], encoded[k], (k,))]
+            if lacking:
+                more = f" and {len(lacking) - 10} more" if len(lacking) > 10 else ""
+                error = (
+                    f"has no entries {lacking[:10]}{more}: remove them from the state to load, or load "
+                    "another step"
+                )
+        except Exception as e:
+            error = f"has an unreadable {EXTRA_NAME} ({e!r}): load another step"
+        errors = [f"rank {r}: {where} {e}" for r, e in enumerate(self._gather(error)) if e is not None]
+        if errors:  # raised on every rank, before DCP's collectives, so no rank is left waiting
+            raise CheckpointError("; ".join(errors))
+
         tensors = _state.tensors_of(plain) or {}
         reader = SafeFsspecReader(self._url(step), **self._options)
         if replicas is None:
             self._read_tensors(tensors, reader, where, alone=not self._distributed)
         else:
+            own = {k: tensors.pop(k) for k in per_rank if k in tensors}
             stats.reader = dist.get_rank(replicas) == 0
             stats.broadcast_bytes = load_from_replicas(
                 tensors,
@@ -480,9 +522,11 @@ class TwoStageCheckpointer:
                 group=cast(dist.ProcessGroup, self._group),
                 where=where,
             )
+            if per_rank:
+                self._read_own(own, reader, where)
         for key in plain:
             try:
-                value = _state.merge(plain[key], encoded[key], (key,))
+                value = _state.merge(plain[key], encoded[key], (key,), partial=partial)
             except ValueError as e:
                 raise CheckpointError(f"{where}: {e}") from e
             if key in loaders:
@@ -495,6 +539,18 @@ class TwoStageCheckpointer:
         stats.seconds = time.perf_counter() - started
         self.last_load = stats
         return step
+
+    def _read_own(self, tensors: dict[str, Any], reader: SafeFsspecReader, where: str) -> None:
+        """Every rank reads its per-rank ``tensors`` alone; a failure is raised on every rank."""
+        error = None
+        try:
+            if tensors:
+                self._read_tensors(tensors, reader, where, alone=True)
+        except CheckpointError as e:
+            error = f"rank {self.rank}: {e}"
+        errors = [e for e in self._gather(error) if e is not None]
+        if errors:
+            raise CheckpointError("; ".join(errors))
 
     def _read_tensors(
         self, tensors: dict[str, Any], reader: SafeFsspecReader, where: str, *, alone: bool

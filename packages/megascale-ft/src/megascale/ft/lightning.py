@@ -38,11 +38,14 @@ Design choices:
   optimizers exist and expects the whole state in memory. The tensors are loaded in place; the rest is
   handed to Lightning's own checkpoint connector, which restores loops, LR schedulers, precision plugin,
   callbacks and datamodule as it would from a ``ckpt_path``.
-- Supported strategies: single device, DDP, and strategies providing the hook pair above. Others (FSDP,
-  DeepSpeed, XLA, ModelParallelStrategy) save and load through their own checkpoint engines and are refused.
-  So are layouts whose ranks hold different entries (pipeline stages, ZeRO-1 optimizer shards), checked at
-  setup for MegaScaleStrategy and at the first save otherwise: `TwoStageCheckpointer.load` restores whole
-  states only, so such a checkpoint could be written but not restored.
+- Supported strategies: single device, DDP, and strategies providing the hook pair above (MegaScaleStrategy in
+  every layout: tp, pp, dp with ZeRO 0–3). Others (FSDP, DeepSpeed, XLA, ModelParallelStrategy) save and load
+  through their own checkpoint engines and are refused.
+- **How a rank loads** (`_load_layout`): where ranks hold different entries (pipeline stages, ZeRO-1
+  optimizer states by owner, or a strategy whose layout is unknown here) each loads only its own
+  (``partial``). Where a group of ranks holds identical state (DDP: the world; MegaScaleStrategy with ZeRO-0:
+  the dp group, which lies within one pipeline stage and tp rank) one of them reads and broadcasts to the
+  rest (``replicas``); RNG states are per rank, and each rank reads its own.
 - Exactness: a resumed run matches an uninterrupted one bit for bit when the data pipeline resumes exactly
   (a stateful datamodule or dataloader) and the world size is the same (with another world size the
   weights reshard, but the per-rank RNG streams cannot be carried over, and are not restored).
@@ -50,7 +53,6 @@ Design choices:
 
 from __future__ import annotations
 
-import hashlib
 import os
 import random
 import warnings
@@ -77,9 +79,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from megascale.ft.checkpoint import TwoStageCheckpointer
+from megascale.ft.checkpoint import CheckpointError, TwoStageCheckpointer
 from megascale.ft.config import Timeouts
 from megascale.ft.executor import ENV, Executor
+from megascale.ft.restore import LoadStats
 
 __all__ = ["FaultTolerance"]
 
@@ -137,7 +140,8 @@ class FaultTolerance(Callback):
         self._step: tuple[int, AbstractContextManager[None]] | None = None  # the optimizer step being timed
         self._section: AbstractContextManager[None] | None = None
         self._losses: list[torch.Tensor] = []
-        self._keys_checked = False
+        self.restore_stats: LoadStats | None = None
+        """What restoring `restored_step` read from storage on this rank (None: nothing was restored)."""
 
     @property
     def collective_timeout(self) -> timedelta:
@@ -156,7 +160,7 @@ class FaultTolerance(Callback):
             self.checkpointer = TwoStageCheckpointer(
                 self.dirpath, keep_last=self.keep_last, storage_options=self.storage_options
             )
-        self.restored_step = None
+        self.restored_step = self.restore_stats = None
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         assert self.checkpointer is not None
@@ -179,7 +183,9 @@ class FaultTolerance(Callback):
                 "random number generators are not restored, so the run will not repeat bit for bit",
                 stacklevel=2,
             )
-        self.checkpointer.load(state, step)
+        partial, replicas = _load_layout(strategy)
+        self.checkpointer.load(state, step, replicas=replicas, partial=partial, per_rank=[rng_key])
+        self.restore_stats = self.checkpointer.last_load
         _load_weights(trainer, state["weights"])
         self._rng_to_restore = state.get(rng_key)  # set at the first batch, after the data iterator exists
         checkpoint = _from_json(state["lightning"])
@@ -199,17 +205,11 @@ class FaultTolerance(Callback):
         rank_zero_info(f"FaultTolerance: resumed from step {step} under {self.dirpath}")
 
     def _saved_world_size(self, step: int) -> int | None:
-        from fsspec.core import url_to_fs
-
-        from megascale.ft.manifest import read_manifest
-
+        assert self.checkpointer is not None
         try:
-            fs, base = url_to_fs(self.dirpath, **self.storage_options)
-            directory = f"{base.rstrip('/')}/step-{step:09d}"  # TwoStageCheckpointer's documented layout
-            manifest = read_manifest(fs, directory, f"checkpoint step {step} under {self.dirpath}")
-        except Exception:  # only decides whether RNG states are restored; load() reports real problems
+            return self.checkpointer.manifest(step).world_size
+        except CheckpointError:  # only decides whether RNG states are restored; load() reports real problems
             return None
-        return None if manifest is None else manifest.world_size
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if (
@@ -280,9 +280,6 @@ class FaultTolerance(Callback):
             "lightning": lightning_state,
             f"rng_rank{trainer.global_rank}": _rng_state(),
         }
-        if not self._keys_checked:  # once: the entries do not change during a fit
-            _check_same_keys(state["weights"])
-            self._keys_checked = True
         with self.executor.timer.section("checkpoint"):
             self.checkpointer.save(step, state)
 
@@ -349,13 +346,6 @@ def _has_hooks(strategy: Strategy) -> bool:
 
 def _check_strategy(strategy: Strategy) -> None:
     if _has_hooks(strategy):
-        partial = _partial_layout(strategy)
-        if partial is not None:
-            raise ValueError(
-                f"FaultTolerance does not support {partial} yet: its ranks hold different parts of the "
-                f"state, and TwoStageCheckpointer.load restores whole states only. Use tp/dp with ZeRO stage "
-                "0, 2 or 3, or this strategy's own checkpoints (ModelCheckpoint)"
-            )
         return
     plain = isinstance(strategy, SingleDeviceStrategy | DDPStrategy)
     if not plain or isinstance(strategy, DeepSpeedStrategy | XLAStrategy):
@@ -366,40 +356,24 @@ def _check_strategy(strategy: Strategy) -> None:
         )
 
 
-def _partial_layout(strategy: Strategy) -> str | None:
-    """MegaScaleStrategy's layouts whose ranks hold different keys (read from its public attributes)."""
-    dims = getattr(strategy, "dims", None)
-    pp, dp = getattr(dims, "pp", 1), getattr(dims, "dp", 1)
-    if pp > 1:
-        return f"pipeline parallelism (pp={pp})"
-    if getattr(strategy, "zero_stage", None) == 1 and dp > 1:
-        return f"ZeRO-1 with dp={dp} (optimizer states sharded by owner)"
-    return None
+def _load_layout(strategy: Strategy) -> tuple[bool, dist.ProcessGroup | None]:
+    """``(partial, replicas)`` for `TwoStageCheckpointer.load` on this rank.
 
-
-def _check_same_keys(state: dict[str, Any]) -> None:
-    """Refuse a state whose tensor entries differ between ranks: it could be saved but not restored."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    paths: list[str] = []
-
-    def walk(value: Any, path: str) -> None:
-        if isinstance(value, torch.Tensor):
-            paths.append(path)
-        elif isinstance(value, dict):
-            for k, v in value.items():
-                walk(v, f"{path}.{k}")
-
-    walk(state, "")
-    digest = hashlib.sha256("\n".join(sorted(paths)).encode()).hexdigest()
-    digests: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(digests, digest)
-    if len(set(digests)) > 1:
-        raise ValueError(
-            "FaultTolerance: the ranks hold different model/optimizer entries (pipeline stages or optimizer "
-            "states sharded by owner), which TwoStageCheckpointer.load cannot restore yet; use a layout whose "
-            "ranks all hold every entry (replicas or DTensor shards), or the strategy's own checkpoints"
-        )
+    partial: whether the ranks hold different entries. replicas: the group of ranks holding exactly this
+    rank's model and optimizer state, or None. MegaScaleStrategy's layout is read from its public attributes.
+    """
+    if not _has_hooks(strategy):
+        if isinstance(strategy, DDPStrategy) and strategy.world_size > 1:
+            return False, dist.group.WORLD  # DDP replicates the model and steps identical optimizers
+        return False, None
+    dims, zero_stage = getattr(strategy, "dims", None), getattr(strategy, "zero_stage", None)
+    if dims is None or zero_stage is None:
+        return True, None  # a strategy of its own: nothing known about which ranks hold what
+    partial = dims.pp > 1 or (zero_stage == 1 and dims.dp > 1)  # stages; optimizer states by owner
+    if zero_stage != 0 or dims.dp == 1:  # ZeRO-1 splits the optimizer states over dp, ZeRO-2/3 shard all
+        return partial, None
+    # ZeRO-0 replicates over dp; a dp group lies within one pipeline stage and tp rank
+    return partial, strategy.device_mesh["dp"].get_group()  # type: ignore[attr-defined]
 
 
 def _weights(trainer: Trainer) -> dict[str, Any]:

@@ -9,7 +9,7 @@ Layout of ``path/`` (Lightning names it ``epoch=…-step=….ckpt``, a directory
                               state, hyper-parameters), written by rank 0, read with ``weights_only=True``.
 
 ZeRO-1 keeps optimizer state only on each parameter's owner: each rank saves the states it owns, and on
-load asks only for the states it owns in the new layout (see ``owned_state_init``).
+load asks only for the states it owns in the new layout (see ``OptimizerStateSharding.init_owned_state``).
 
 ``convert_to_torch`` turns a checkpoint into one plain file for inference (config + model weights) without
 loading optimizer states; ``load_gpt`` rebuilds the GPT from it.
