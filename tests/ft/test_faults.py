@@ -7,34 +7,21 @@ The job is examples/ft_ddp.py (2 DDP ranks on gloo, a checkpoint every 2 of 8 st
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.lightning._launch import clean_env
+from tests.ft._launch import HANG, HEARTBEAT, launch_job
 
 SCRIPT = str(Path(__file__).parents[2] / "examples" / "ft_ddp.py")
-HEARTBEAT, HANG, COLLECTIVE = 0.5, 3.0, 8.0
 
 
 def _launch(tmp: Path, *train_args: str, self_check: bool = False, max_restarts: int = 2, env=None):
-    run_dir = tmp / "run"
-    command = [
-        sys.executable, "-m", "megascale.ft.cli", "launch", "--nproc-per-node=2", f"--max-restarts={max_restarts}",
-        "--repeat-limit=2", f"--heartbeat-interval={HEARTBEAT}", f"--hang-timeout={HANG}",
-        f"--collective-timeout={COLLECTIVE}", f"--run-dir={run_dir}", f"--storage={tmp / 'ckpt'}",
-        *([] if self_check else ["--no-self-check"]),
-        "--", SCRIPT, str(tmp / "ckpt"), str(tmp / "final.pt"), *train_args,
-    ]  # fmt: skip
-    result = subprocess.run(
-        command, env={**clean_env(), **(env or {})}, capture_output=True, text=True, timeout=300
-    )
-    report = json.loads((run_dir / "report.json").read_text())
-    return result, report
+    return launch_job(
+        tmp, SCRIPT, *train_args, self_check=self_check, max_restarts=max_restarts, env=env,
+        launcher_args=("--repeat-limit=2", f"--storage={tmp / 'ckpt'}"),
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +29,7 @@ def uninterrupted(tmp_path_factory) -> dict[str, torch.Tensor]:
     tmp = tmp_path_factory.mktemp("uninterrupted")
     result, report = _launch(tmp)
     assert report["ok"] and len(report["attempts"]) == 1, result.stderr[-3000:]
-    return torch.load(tmp / "final.pt", weights_only=True)
+    return torch.load(tmp / "out.pt", weights_only=True)
 
 
 FAULTS = {
@@ -74,7 +61,7 @@ def test_a_fault_is_detected_and_the_restarted_run_ends_bitwise_equal(fault, uni
         assert f"skipping checkpoint step-000000004 under {tmp_path / 'ckpt'}: {skipped}" in output, output[
             -4000:
         ]
-    final = torch.load(tmp_path / "final.pt", weights_only=True)
+    final = torch.load(tmp_path / "out.pt", weights_only=True)
     assert final.keys() == uninterrupted.keys()
     for name, value in uninterrupted.items():
         assert torch.equal(final[name], value), f"{name} differs after the restart"

@@ -10,8 +10,6 @@ over would end with the same weights too.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -20,30 +18,15 @@ import numpy as np
 import pytest
 import torch
 
-from tests.lightning._launch import ROOT, clean_env
+from tests.ft._launch import launch_fit
 
 SCRIPT = "tests/ft/_fit_lightning.py"
-
-
-def launch(tmp_path: Path, *script_args: str, script: str = SCRIPT) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Run ``script CKPT OUT script_args`` on 2 ranks under the launcher; return (OUT, report.json)."""
-    run_dir, out = tmp_path / "run", tmp_path / "out.pt"
-    command = [
-        sys.executable, "-m", "megascale.ft.cli", "launch", "--nproc-per-node", "2", "--no-self-check",
-        "--heartbeat-interval", "0.5", "--hang-timeout", "3", "--collective-timeout", "8",
-        "--max-restarts", "2", "--run-dir", str(run_dir), "--", script, str(tmp_path / "ckpt"), str(out),
-        *script_args,
-    ]  # fmt: skip
-    proc = subprocess.run(command, env=clean_env(), cwd=ROOT, capture_output=True, text=True, timeout=240)
-    if proc.returncode != 0 or not out.exists():
-        raise AssertionError(f"launch failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    return torch.load(out, weights_only=True), json.loads((run_dir / "report.json").read_text())
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp_path = tmp_path_factory.mktemp("uninterrupted")
-    result, report = launch(tmp_path)
+    result, report = launch_fit(tmp_path, SCRIPT)
     assert len(report["attempts"]) == 1 and report["attempts"][0]["fault"] is None
     assert result["restored_step"] is None
     # every rank's step timings reached the driver, sections included
@@ -66,7 +49,7 @@ def _assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]
 def test_a_fault_is_reported_and_the_restarted_fit_ends_bitwise_equal(
     uninterrupted: dict[str, Any], tmp_path: Path, fault: str, kind: str
 ) -> None:
-    result, report = launch(tmp_path, "--fault", fault)
+    result, report = launch_fit(tmp_path, SCRIPT, "--fault", fault)
     attempts = report["attempts"]
     assert len(attempts) == 2 and report["ok"]
     assert attempts[0]["fault"]["kind"] == kind and attempts[0]["fault"]["rank"] == 1

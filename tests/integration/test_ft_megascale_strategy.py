@@ -16,16 +16,12 @@ Bitwise holds because every reduction here adds two values (dp2, tp2), which is 
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
-from tests.lightning._launch import ROOT, clean_env
+from tests.ft._launch import launch_fit
 
 SCRIPT = "tests/integration/_fit_megascale.py"
 LAYOUTS = {  # name: (ranks, script arguments)
@@ -39,31 +35,18 @@ LAYOUTS = {  # name: (ranks, script arguments)
 DATA = ["--every", "3", "--max-bytes", "210"]
 
 
-def launch(tmp_path: Path, ranks: int, *script_args: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Run the fit on ``ranks`` processes under the launcher; return (OUT.pt, report.json)."""
-    run_dir, out = tmp_path / "run", tmp_path / "out.pt"
-    command = [
-        sys.executable, "-m", "megascale.ft.cli", "launch", "--nproc-per-node", str(ranks), "--no-self-check",
-        "--heartbeat-interval", "0.5", "--hang-timeout", "3", "--collective-timeout", "8",
-        "--max-restarts", "2", "--run-dir", str(run_dir), "--", SCRIPT, str(tmp_path / "ckpt"), str(out),
-        *script_args,
-    ]  # fmt: skip
-    proc = subprocess.run(command, env=clean_env(), cwd=ROOT, capture_output=True, text=True, timeout=240)
-    if proc.returncode != 0 or not out.exists():
-        raise AssertionError(f"launch failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    return torch.load(out, weights_only=True), json.loads((run_dir / "report.json").read_text())
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_a_killed_rank_restarts_and_the_fit_ends_bitwise_equal(tmp_path: Path, layout: str) -> None:
     ranks, args = LAYOUTS[layout]
-    reference, report = launch(tmp_path / "uninterrupted", ranks, *args, *DATA)
+    reference, report = launch_fit(tmp_path / "uninterrupted", SCRIPT, *args, *DATA, ranks=ranks)
     assert len(report["attempts"]) == 1 and reference["restored_step"] is None
     whole = {"model.embed.weight", "model.blocks.0.norm.weight", "model.blocks.1.norm.weight"}
     assert whole | {"model.head.proj.logits.weight"} <= reference["weights"].keys()  # every stage's layers
     last = ranks - 1  # with a pipeline: a rank of the last stage
-    result, report = launch(tmp_path / "faulty", ranks, *args, *DATA, "--fault", f"sigkill@7:{last}")
+    result, report = launch_fit(
+        tmp_path / "faulty", SCRIPT, *args, *DATA, "--fault", f"sigkill@7:{last}", ranks=ranks
+    )
     attempts = report["attempts"]
     assert report["ok"] and len(attempts) == 2
     assert attempts[0]["fault"]["kind"] == "dead" and attempts[0]["fault"]["rank"] == last
