@@ -113,9 +113,16 @@ def docs(session: nox.Session) -> None:
 
 @nox.session
 def demo(session: nox.Session) -> None:
-    """The main job: pretrain a small GPT on the embedded default data (the Python standard library)."""
-    _install(session, "packages/megascale-core", "tqdm", "numpy")  # numpy: torch warns at import without it
-    session.run("python", "examples/pretrain.py", *session.posargs)
+    """The main job: pretrain a small GPT with tp2 x pp2 on 4 CPU processes on the embedded data (the Python
+    standard library as WebDataset shards), with two-stage checkpoints under megascale-ft's launcher.
+    Extra arguments go to the CLI, e.g. ``nox -s demo -- --trainer.max_steps 50``."""
+    _install(session, "packages/megascale-core", *PACKAGES.values())
+    session.run("megascale-data", "stdlib", "--output", ".cache/megascale/stdlib")
+    session.run(
+        "megascale-ft", "launch", "--nproc-per-node", "4", "--max-restarts", "3", "--run-dir", "runs/main_cpu",
+        "--", "-m", "megascale.lightning.cli", "fit", "--config", "examples/configs/main_cpu.yaml",
+        *session.posargs,
+    )  # fmt: skip
 
 
 @nox.session
