@@ -9,6 +9,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from megascale.data import build_stdlib_shards
 from tests.lightning._launch import ROOT, clean_env
 
@@ -51,3 +53,16 @@ def test_the_main_job_trains_validates_checkpoints_and_its_loss_falls(tmp_path):
     val = [float(r["val/loss"]) for r in rows if r.get("val/loss")]
     assert len(train) >= 3 and len(val) == 2
     assert train[-1] < train[0] - 0.3 and val[-1] < val[0], (train, val)
+
+
+@pytest.mark.parametrize("name", ["main_cpu", "main_8gpu", "main_multinode"])
+def test_every_main_job_config_parses(name):
+    """The GPU configs cannot run here; their every key must still be one the CLI knows."""
+    command = [sys.executable, "-m", "megascale.lightning.cli", "fit", "--config",
+               str(CONFIG.with_name(f"{name}.yaml")), "--print_config"]  # fmt: skip
+    result = subprocess.run(command, env=clean_env(), cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (
+        "megascale.lightning.MegaScaleStrategy" in result.stdout
+        and "megascale.ft.FaultTolerance" in result.stdout
+    )
