@@ -331,14 +331,8 @@ class _RecvStream:
     def wait(self, mb: int) -> None:
         self.post_through(mb + self._lookahead)  # prefetch before blocking on (and computing) this one
         works = self._posted.pop(mb, None)
-        if not works:
-            return
-        tl = self._schedule.timeline
-        start = tl.clock() if tl is not None else 0.0
-        for w in works:
-            w.wait()
-        if tl is not None:
-            tl.record(f"wait_recv_{self._direction}", start, tl.clock(), mb, self._stage_index)
+        if works:
+            _timed_wait(works, self._schedule, f"wait_recv_{self._direction}", mb, self._stage_index)
 
     def drain(self) -> None:
         for mb in sorted(self._posted):
@@ -369,12 +363,19 @@ class _SendQueue:
 
     def _wait_oldest(self) -> None:
         mb, works = self._pending.popleft()
-        tl = self._schedule.timeline
-        start = tl.clock() if tl is not None else 0.0
-        for w in works:
-            w.wait()
-        if tl is not None:
-            tl.record(f"wait_send_{self._direction}", start, tl.clock(), mb, self._stage_index)
+        _timed_wait(works, self._schedule, f"wait_send_{self._direction}", mb, self._stage_index)
+
+
+def _timed_wait(
+    works: list[dist.Work], schedule: ScheduleDecoupled1F1B, name: str, mb: int, stage: int
+) -> None:
+    """Wait for ``works``; the time blocked goes on the schedule's timeline (when recording) as ``name``."""
+    tl = schedule.timeline
+    start = tl.clock() if tl is not None else 0.0
+    for w in works:
+        w.wait()
+    if tl is not None:
+        tl.record(name, start, tl.clock(), mb, stage)
 
 
 def _one_f_one_b_order(
