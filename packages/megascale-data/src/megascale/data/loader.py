@@ -234,8 +234,8 @@ class WebLoader:
         if self.local_rank == 0:
             cleanup_stale()
             order = self._order()  # lists the shards: a missing shard or bucket fails here, in the rank
-            spec = self._spec(order)
-            pickle_spec(spec)  # a hook the reader could not import fails here too, before the ring exists
+            # a hook the reader could not import fails here, before the ring exists
+            payload = pickle_spec(self._spec(order))
             path = ring_path(self.run_id, self.node_rank, os.getpid())
             slot_bytes = self.local_world_size * self.config.batch_size * (self.config.seq_len + 1) * 4
             self._ring = ShmRing.create(
@@ -245,7 +245,7 @@ class WebLoader:
                 slot_bytes=_round8(slot_bytes),
             )
             atexit.register(self.close)
-            self._process = launch_reader(spec, path)
+            self._process = launch_reader(payload, path)
         else:
             self._ring = self._attach()
         self._ring.register(self.local_rank, self.dp_rank)

@@ -261,14 +261,14 @@ def pickle_spec(spec: ReaderSpec) -> bytes:
     return payload
 
 
-def launch_reader(spec: ReaderSpec, path: Path) -> subprocess.Popen:
+def launch_reader(payload: bytes, path: Path) -> subprocess.Popen:
     """Start the node reader as ``python -m megascale.data.reader``: a fresh interpreter that imports
     neither torch nor the training script (multiprocessing's spawn would re-run the script's top level).
 
-    It gets this process's ``sys.path`` (as ``PYTHONPATH``), so a preprocess hook in a module found through
-    the script's directory or a path added at run time imports there as it does here.
+    ``payload`` is the spec as `pickle_spec` made it (checked, in the rank, before the ring was created). The
+    reader gets this process's ``sys.path`` (as ``PYTHONPATH``), so a preprocess hook in a module found
+    through the script's directory or a path added at run time imports there as it does here.
     """
-    payload = pickle_spec(spec)
     spec_path = path.with_name(path.name + ".spec")
     fd = os.open(spec_path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
     with os.fdopen(fd, "wb") as f:
