@@ -234,6 +234,7 @@ class Launcher:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         report = RunReport(command=self.command)
         monitors: list[JobMonitor] = []
+        signatures: list[tuple[str, int | None, str]] = []  # of the failed attempts, in order
 
         def on_heartbeat(beat: Any) -> None:
             if self.monitor is not None:
@@ -265,7 +266,8 @@ class Launcher:
                     report.ok = True
                     break
                 log.error("attempt %d failed: %s", attempt, fault)
-                if self._repeats(report) >= self.config.repeat_limit:
+                signatures.append(fault.signature)
+                if signatures[-self.config.repeat_limit :] == [fault.signature] * self.config.repeat_limit:
                     report.reason = (
                         f"failed the same way {self.config.repeat_limit} times in a row ({fault}); not "
                         "restarting again: fix the cause (see the log), then relaunch"
@@ -276,20 +278,6 @@ class Launcher:
         self._write(report, monitors)
         print(report.summary(), file=sys.stderr, flush=True)
         return report
-
-    @staticmethod
-    def _repeats(report: RunReport) -> int:
-        faults = [a.get("fault") for a in report.attempts]
-        last = faults[-1]
-        count = 0
-        for fault in reversed(faults):
-            if fault is None or last is None:
-                break
-            same = Fault(**{k: fault[k] for k in Fault.__dataclass_fields__}).signature
-            if same != Fault(**{k: last[k] for k in Fault.__dataclass_fields__}).signature:
-                break
-            count += 1
-        return count
 
     def _write(self, report: RunReport, monitors: list[JobMonitor]) -> None:
         path = self.run_dir / "report.json"
