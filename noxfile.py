@@ -23,7 +23,7 @@ CONSTRAINTS = ".ci/constraints.txt"
 TEST_DEPS = ["pytest>=8", "pytest-timeout>=2.3"]
 PACKAGES = {
     "core": "packages/megascale-core[triton]",
-    "lightning": "packages/megascale-lightning",
+    "lightning": "packages/megascale-lightning[plots]",
     "data": "packages/megascale-data[s3,lightning]",
     "ft": "packages/megascale-ft[lightning,s3,plots]",
 }

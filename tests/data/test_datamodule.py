@@ -44,3 +44,12 @@ def test_tensor_parallel_peers_get_the_same_batches_and_data_parallel_ranks_disj
     assert all(len(s) == 3 for s in seen)
     assert seen[0] == seen[1] and seen[2] == seen[3]  # ModelParallelStrategy's mesh: (dp, tp), tp innermost
     assert not {str(s) for b in seen[0] for s in b} & {str(s) for b in seen[2] for s in b}
+
+
+def test_the_data_modules_tokenizer_is_the_training_streams_for_sampling_from_the_model():
+    from megascale.data import Source, WebDataConfig, WebDataModule
+
+    module = WebDataModule(WebDataConfig(sources=[Source(urls="unused-*.tar")], seq_len=8, batch_size=1))
+    tokenizer = module.tokenizer  # what RunSummary encodes its prompt with and decodes the sample with
+    assert module.vocab_size == tokenizer.vocab_size == 257 and tokenizer.eos_id == 256
+    assert tokenizer.decode([*tokenizer.encode("def f():"), tokenizer.eos_id]) == "def f():"

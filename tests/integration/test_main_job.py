@@ -1,6 +1,10 @@
-"""The main job's config (examples/configs/main_cpu.yaml) end to end, briefly: MegaScaleStrategy tp2 × pp2 on
-4 processes, megascale-data's tree loader on the stdlib shards, megascale-ft's checkpoints and heartbeats
-under its launcher. Only the length, the paths and validation's size are overridden; the loss must fall."""
+"""The main job's config (examples/configs/main_cpu.yaml) end to end, briefly, with the kill drill: MegaScaleStrategy
+tp2 × pp2 on 4 processes, megascale-data's tree loader on the stdlib shards, megascale-ft's checkpoints and
+heartbeats under its launcher. One rank is SIGKILLed at step 13 of the first attempt; the launcher must name
+it, self-check, restart from the step-8 checkpoint, and the loss curve must continue where it stopped: the
+resumed run logs the same loss at step 9 as the killed one did (exact resume of weights, optimizer, data
+position and RNG), and the loss falls over the run. Only the length, the paths, validation's size and the
+sample's length are overridden."""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ import csv
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -17,16 +22,28 @@ from tests.lightning._launch import ROOT, clean_env
 CONFIG = ROOT / "examples" / "configs" / "main_cpu.yaml"
 
 
-def test_the_main_job_trains_validates_checkpoints_and_its_loss_falls(tmp_path):
+def _losses(metrics: Path, name: str) -> dict[int, float]:
+    rows = csv.DictReader(metrics.read_text().splitlines())
+    return {int(r["step"]): float(r[name]) for r in rows if r.get(name)}
+
+
+def test_the_main_job_survives_a_killed_rank_and_its_loss_curve_continues_and_falls(tmp_path):
     shards = build_stdlib_shards(tmp_path / "stdlib")
-    steps = 16
+    logs = tmp_path / "logs" / "main"
     override = {  # YAML is a superset of JSON
         "trainer": {
-            "max_steps": steps, "val_check_interval": 8, "enable_progress_bar": False,
+            "max_steps": 24, "val_check_interval": 8, "enable_progress_bar": False,
             "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger",
-                       "init_args": {"save_dir": str(tmp_path / "logs"), "name": "main"}},
-            "callbacks": [{"class_path": "megascale.ft.FaultTolerance",
-                           "init_args": {"dirpath": str(tmp_path / "ckpt"), "every_n_steps": 8}}],
+                       "init_args": {"save_dir": str(tmp_path / "logs"), "name": "main",
+                                     "flush_logs_every_n_steps": 5}},
+            "callbacks": [
+                {"class_path": "megascale.lightning.SpeedMonitor", "init_args": {"peak_flops": "measure"}},
+                {"class_path": "megascale.lightning.RunSummary",
+                 "init_args": {"prompt": "def ", "max_new_tokens": 24}},
+                {"class_path": "megascale.ft.FaultTolerance",
+                 "init_args": {"dirpath": str(tmp_path / "ckpt"), "every_n_steps": 8}},
+                {"class_path": "tests.integration._kill_rank.KillRank", "init_args": {"step": 13, "rank": 3}},
+            ],
         },
         "data": {"init_args": {
             "train": {"sources": [{"urls": shards.train}], "seq_len": 128, "batch_size": 16},
@@ -37,22 +54,45 @@ def test_the_main_job_trains_validates_checkpoints_and_its_loss_falls(tmp_path):
     }  # fmt: skip
     (tmp_path / "override.yaml").write_text(json.dumps(override))
     command = [
-        sys.executable, "-m", "megascale.ft.cli", "launch", "--nproc-per-node=4", "--max-restarts=0",
+        sys.executable, "-m", "megascale.ft.cli", "launch", "--nproc-per-node=4", "--max-restarts=1",
         f"--run-dir={tmp_path / 'run'}", "--", "-m", "megascale.lightning.cli", "fit",
         "--config", str(CONFIG), "--config", str(tmp_path / "override.yaml"),
     ]  # fmt: skip
     result = subprocess.run(command, env=clean_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+
+    # the launcher: the dead rank named, self-checks before each attempt, one restart
     report = json.loads((tmp_path / "run" / "report.json").read_text())
-    assert report["ok"] and report["attempts"][0]["self_check"]["ok"]
-    assert sorted(p.name for p in (tmp_path / "ckpt").glob("step-*")) == ["step-000000008", "step-000000016"]
+    attempts = report["attempts"]
+    assert report["ok"] and len(attempts) == 2
+    assert attempts[0]["fault"]["kind"] == "dead" and attempts[0]["fault"]["rank"] == 3
+    assert all(a["self_check"]["ok"] for a in attempts)
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("step-*"))[-2:] == [
+        "step-000000016",
+        "step-000000024",
+    ]
     assert (tmp_path / "run" / "timeline.png").stat().st_size > 0
-    metrics = next((tmp_path / "logs").rglob("metrics.csv"))
-    rows = list(csv.DictReader(metrics.read_text().splitlines()))
-    train = [float(r["train/loss"]) for r in rows if r.get("train/loss")]
-    val = [float(r["val/loss"]) for r in rows if r.get("val/loss")]
-    assert len(train) >= 3 and len(val) == 2
-    assert train[-1] < train[0] - 0.3 and val[-1] < val[0], (train, val)
+
+    # the loss curve continues where it stopped: attempt 1 resumed from step 8 and logs step 9 as attempt 0 did
+    entries = [json.loads(line) for line in (logs / "attempts.jsonl").read_text().splitlines()]
+    assert [(e["version"], e["start_step"]) for e in entries] == [("version_0", 0), ("version_1", 8)]
+    killed, resumed = (_losses(logs / e["version"] / "metrics.csv", "train/loss") for e in entries)
+    assert max(killed) >= 9 and min(resumed) == 9, (killed, resumed)
+    assert resumed[9] == pytest.approx(killed[9], abs=1e-4), (killed, resumed)
+    curve = [loss for step, loss in sorted(killed.items()) if step <= 8] + [
+        resumed[s] for s in sorted(resumed)
+    ]
+    assert len(curve) >= 4 and curve[-1] < curve[0] - 0.3, curve
+    val = sorted((_losses(logs / "version_1" / "metrics.csv", "val/loss")).items())
+    assert [s for s, _ in val] == [15, 23] and val[-1][1] < val[0][1], val
+    assert (logs / "loss_curve.png").stat().st_size > 0
+
+    # the throughput figures and the sample
+    speed = _losses(logs / "version_1" / "metrics.csv", "train/items_per_sec")
+    assert speed and all(v > 0 for v in speed.values())
+    assert _losses(logs / "version_1" / "metrics.csv", "train/device/mfu")
+    assert "Sample from the trained model" in result.stdout
+    assert (logs / "version_1" / "sample.txt").read_text().startswith("def ")
 
 
 @pytest.mark.parametrize("name", ["main_cpu", "main_8gpu", "main_multinode"])

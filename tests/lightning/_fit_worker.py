@@ -25,7 +25,7 @@ from lightning.pytorch import Callback, Trainer, seed_everything
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from megascale.core import GPTConfig
-from megascale.lightning import GPTModule, MegaScaleStrategy, TokenDataModule
+from megascale.lightning import GPTModule, MegaScaleStrategy, RunSummary, TokenDataModule
 
 
 class RecordLoss(Callback):
@@ -73,6 +73,9 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         limit_val_batches=0,
         callbacks=[record],
     )
+    summary = RunSummary(**job["summary"]) if job.get("summary") else None
+    if summary is not None:
+        trainer_kwargs["callbacks"] = [record, summary]
     trainer_kwargs.update(job.get("trainer", {}))
     trainer = Trainer(**trainer_kwargs)
     trainer.fit(module, datamodule=data, ckpt_path=job.get("resume_from"))
@@ -91,6 +94,8 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     out["losses_by_rank"] = _gather(record.losses)
     if "val/loss" in trainer.callback_metrics:
         out["val_loss"] = float(trainer.callback_metrics["val/loss"])
+    if summary is not None:  # the end-of-run sample, as every rank generated it
+        out["sample"] = _gather(summary.sample)
     if job.get("predict"):  # trainer.predict after fit, on the held-out windows
         predictions = trainer.predict(module, dataloaders=data.val_dataloader())
         out["predicted"] = torch.cat([p.float() for p in predictions]) if predictions else None

@@ -147,13 +147,17 @@ def test_pipeline_checkpoints_continue_identically_under_other_layouts(reference
 
 
 def test_pipeline_validation_prediction_and_generation(tmp_path):
-    """Validation loss, trainer.predict and greedy generation with pp > 1 equal one process's, on every rank."""
+    """Validation loss, trainer.predict, greedy generation and RunSummary's sampled text (temperature 1, the same
+    seeded generator on every rank) with pp > 1 equal one process's, on every rank."""
+    summary = dict(prompt="\x05", max_new_tokens=8, temperature=1.0, top_k=None, loss_curve=None)
     extra = dict(trainer=dict(max_steps=5, gradient_clip_val=0.05, limit_val_batches=2, val_check_interval=5),
-                 generate=[5, 17, 3], predict=True)  # fmt: skip
+                 generate=[5, 17, 3], predict=True, summary=summary)  # fmt: skip
     reference = fit([{**job("one", None, 1), **extra}], 1, tmp_path / "ref")["one"]
     results = fit([{**job("pp2", dict(pp=2), 1), **extra}], 2, tmp_path / "a")
     results |= fit([{**job("tp2×pp2", dict(tp=2, pp=2), 1), **extra}], 4, tmp_path / "b")
     for name, result in results.items():
         assert result["val_loss"] == pytest.approx(reference["val_loss"], abs=LOSS_TOL), name
         assert all(g == reference["generated"][0] for g in result["generated"]), (name, result["generated"])
+        assert all(t == reference["sample"][0] for t in result["sample"]), (name, result["sample"])
         assert torch.allclose(result["predicted"], reference["predicted"], atol=1e-5), name
+    assert reference["sample"][0].startswith("\x05") and len(reference["sample"][0]) == 9

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from megascale.data.config import WebDataConfig
 from megascale.data.loader import WebLoader, merge_states
+from megascale.data.tokenize import Tokenizer, load_tokenizer
 
 __all__ = ["WebDataModule"]
 
@@ -44,11 +45,14 @@ class WebDataModule(LightningDataModule):
         self._final_state: dict[str, Any] | None = None
 
     @property
+    def tokenizer(self) -> Tokenizer:
+        """The training stream's tokenizer (``encode``/``decode``; e.g. for sampling from the trained model)."""
+        return load_tokenizer(self.train.tokenizer)
+
+    @property
     def vocab_size(self) -> int:
         """Token ids the tokenizer produces (set the model's vocabulary to at least this)."""
-        from megascale.data.tokenize import load_tokenizer
-
-        return load_tokenizer(self.train.tokenizer).vocab_size
+        return self.tokenizer.vocab_size
 
     def _layout(self) -> dict[str, Any]:
         trainer = self.trainer
