@@ -14,6 +14,8 @@ here; without the pin pip would resolve a multi-GB CUDA build. The packages them
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import nox
 
 nox.options.sessions = ["lint", "typecheck", "core", "lightning", "data", "ft", "integration", "docs"]
@@ -127,6 +129,9 @@ def demo(session: nox.Session) -> None:
 
 @nox.session
 def benchmarks(session: nox.Session) -> None:
-    """Run the benchmarks (figures go to the terminal; record them in benchmarks/RESULTS.md)."""
-    _install(session, "packages/megascale-core[triton]")
-    session.run("python", "benchmarks/kernels.py", *session.posargs)
+    """Run every benchmark, or those named (``nox -s benchmarks -- kernels data``); figures go to the terminal,
+    to be recorded in benchmarks/RESULTS.md with the command, date and machine."""
+    _install(session, "packages/megascale-core", *PACKAGES.values())
+    names = session.posargs or sorted(p.stem for p in Path("benchmarks").glob("*.py"))
+    for name in names:
+        session.run("python", f"benchmarks/{name.removesuffix('.py')}.py")

@@ -1,10 +1,11 @@
-"""Pretrain a small GPT from megascale-core on the Python standard library's own source, on one process.
+"""Pretrain a small GPT with megascale-core alone: one process, plain PyTorch, no Lightning.
 
-This is the main job until MegaScaleStrategy lands (then the same run goes through LightningCLI with
-tensor, pipeline and data parallelism). The text is real, nobody here wrote it, and every machine with
-Python has it: the standard library's .py files, read in sorted order, byte-level tokens (vocabulary 256).
-The last 5% is held out for validation. It trains with LAMB under warmup + cosine decay, shows a progress
-bar, reports loss, tokens/s and validation loss, and ends with a sample from the trained model.
+The main job (README, `nox -s demo`) runs this model through LightningCLI with tensor and pipeline parallelism,
+megascale-data's loader and megascale-ft's checkpoints; this script shows what megascale-core gives on its own,
+for users with their own training loop. The text is the Python standard library's .py files, read in sorted
+order, byte-level tokens (vocabulary 256); the last 5% is held out. It trains with LAMB under warmup + cosine
+decay, shows a progress bar, reports loss, tokens/s and validation loss, and ends with a sample from the
+trained model. tests/core/test_examples.py runs it for a few steps.
 
     python examples/pretrain.py                # ~2 minutes on 2 CPU cores
     python examples/pretrain.py --steps 30     # a quick look
