@@ -31,12 +31,12 @@
 #     flops_per_batch = flops_per_token(config, T) × B × T × dp / world_size
 # (= flops_per_token × B × T under DDP). It is model FLOPs (6·N + attention; no recomputation from
 # activation checkpointing), so the MFU is the paper's MFU, not hardware utilisation. In validation it is a
-# third of that (forward only). MFU needs the device's peak FLOPs: Lightning knows them for CUDA GPUs and
-# reports `train/device/mfu`; on CPU it reports FLOPs/s without MFU. Use the module-level `batch_size_fn` and
-# `length_fn` with the callback (in YAML: `batch_size_fn: megascale.lightning.module.batch_size_fn`). Note
-# that Throughput also multiplies samples and items per second by the world size: with tp × pp > 1 those
-# global figures count each sample once per model-parallel device; the `device/` figures, FLOPs and MFU are
-# right, and `train/tokens` gives the exact global token count.
+# third of that (forward only). MFU needs the device's peak FLOPs: Lightning knows them for listed CUDA GPUs
+# and reports `train/device/mfu`; on CPU it reports FLOPs/s without MFU. Use the module-level `batch_size_fn`
+# and `length_fn` with the callback (in YAML: `batch_size_fn: megascale.lightning.module.batch_size_fn`).
+# Throughput also multiplies samples and items per second by the world size: with tp × pp > 1 those global
+# figures count each sample once per model-parallel device. megascale.lightning.SpeedMonitor (speed.py)
+# mends both: a given or measured peak, global rates × dp; and it defaults to these two functions.
 
 from __future__ import annotations
 
