@@ -13,7 +13,7 @@ per data-parallel group broadcasting (``load(..., replicas=group)``), and the lo
 Part 3, detection: examples/ft_ddp.py under ``megascale-ft launch`` with a SIGKILL and a SIGSTOP injected;
 the driver's detection latency (fault to verdict) from its report, against the configured hang timeout.
 
-    python benchmarks/checkpoint.py                      # ~2 minutes on 2 cores
+    python benchmarks/checkpoint.py                      # ~3 minutes on 2 cores (RESULTS.md)
     python benchmarks/checkpoint.py --params 20e6 --skip-detection
 """
 

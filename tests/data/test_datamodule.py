@@ -53,3 +53,17 @@ def test_the_data_modules_tokenizer_is_the_training_streams_for_sampling_from_th
     tokenizer = module.tokenizer  # what RunSummary encodes its prompt with and decodes the sample with
     assert module.vocab_size == tokenizer.vocab_size == 257 and tokenizer.eos_id == 256
     assert tokenizer.decode([*tokenizer.encode("def f():"), tokenizer.eos_id]) == "def f():"
+
+
+def test_a_model_vocabulary_smaller_than_the_tokenizers_is_refused_before_any_data_is_read():
+    from types import SimpleNamespace
+
+    from megascale.data import Source, WebDataConfig, WebDataModule
+
+    module = WebDataModule(WebDataConfig(sources=[Source(urls="unused-*.tar")], seq_len=8, batch_size=1))
+    model = SimpleNamespace(config=SimpleNamespace(vocab_size=256))  # the bytes tokenizer needs 257 (+ eos)
+    module.trainer = SimpleNamespace(lightning_module=model)  # type: ignore[assignment]
+    with pytest.raises(ValueError, match=r"produces 257 token ids .* set model.config.vocab_size >= 257"):
+        module.setup("fit")
+    model.config.vocab_size = 257
+    module.setup("fit")

@@ -54,6 +54,16 @@ class WebDataModule(LightningDataModule):
         """Token ids the tokenizer produces (set the model's vocabulary to at least this)."""
         return self.tokenizer.vocab_size
 
+    def setup(self, stage: str) -> None:
+        # a vocabulary too small for the tokenizer's ids would fail later, deep inside the embedding
+        model = self.trainer.lightning_module if self.trainer is not None else None
+        model_vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+        if isinstance(model_vocab, int) and model_vocab < self.vocab_size:
+            raise ValueError(
+                f"the tokenizer {self.train.tokenizer!r} produces {self.vocab_size} token ids but the model's "
+                f"vocab_size is {model_vocab}: set model.config.vocab_size >= {self.vocab_size}"
+            )
+
     def _layout(self) -> dict[str, Any]:
         trainer = self.trainer
         if trainer is None:
