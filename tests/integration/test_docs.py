@@ -2,8 +2,8 @@
 
 - docs/reference/configuration.md names (in backticks) every argument a user can write in a `megascale` YAML
   or give `megascale-ft launch`: MegaScaleStrategy, GPTModule, GPTConfig, WebDataModule, WebDataConfig,
-  Source, TokenDataModule, FaultTolerance, the CLI's trainer defaults, the launcher's options, and
-  SpeedMonitor / RunSummary once megascale.lightning exports them.
+  Source, TokenDataModule, FaultTolerance, SpeedMonitor, RunSummary, the CLI's trainer defaults and the
+  launcher's options.
 - docs/techniques.md refers only to files that exist and to tests that exist in the files it names.
 - every section of benchmarks/RESULTS.md says which command, when and on what machine its figures came from.
 
@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import inspect
 import re
-import subprocess
-import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -48,76 +47,15 @@ def _fields(cls: type) -> list[str]:
 
 def _launch_options() -> list[str]:
     """The long option strings (and the command's metavar) of ``megascale-ft launch``."""
-    from megascale.ft import cli
+    from megascale.ft.cli import _parser
 
-    build: Callable[[], argparse.ArgumentParser] | None = getattr(cli, "_parser", None)
-    if build is not None:
-        parser = build()
-        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-        launch = sub.choices["launch"]
-        names = []
-        for action in launch._actions:
-            if isinstance(action, argparse._HelpAction):
-                continue
-            if action.option_strings:
-                names.append(max(action.option_strings, key=len))
-            else:
-                names.append(str(action.metavar or action.dest))
-        return names
-    # no parser function any more: read the options from --help
-    out = subprocess.run(
-        [sys.executable, "-m", "megascale.ft.cli", "launch", "--help"],
-        capture_output=True, text=True, timeout=60, check=True,
-    ).stdout  # fmt: skip
-    return sorted(set(re.findall(r"(--[a-z][a-z0-9-]*)", out)) - {"--help"})
-
-
-def _strategy() -> list[str]:
-    from megascale.lightning import MegaScaleStrategy
-
-    return _init_parameters(MegaScaleStrategy)
-
-
-def _module() -> list[str]:
-    from megascale.lightning import GPTModule
-
-    return _init_parameters(GPTModule)
-
-
-def _gpt_config() -> list[str]:
-    from megascale.core import GPTConfig
-
-    return _fields(GPTConfig)
-
-
-def _web_data_module() -> list[str]:
-    from megascale.data import WebDataModule
-
-    return _init_parameters(WebDataModule)
-
-
-def _web_data_config() -> list[str]:
-    from megascale.data import WebDataConfig
-
-    return _fields(WebDataConfig)
-
-
-def _source() -> list[str]:
-    from megascale.data import Source
-
-    return _fields(Source)
-
-
-def _token_data_module() -> list[str]:
-    from megascale.lightning import TokenDataModule
-
-    return _init_parameters(TokenDataModule)
-
-
-def _fault_tolerance() -> list[str]:
-    from megascale.ft import FaultTolerance
-
-    return _init_parameters(FaultTolerance)
+    sub = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
+    names = []
+    for action in sub.choices["launch"]._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        names.append(max(action.option_strings, key=len) if action.option_strings else str(action.metavar))
+    return names
 
 
 def _trainer_defaults() -> list[str]:
@@ -126,37 +64,35 @@ def _trainer_defaults() -> list[str]:
     return list(TRAINER_DEFAULTS)
 
 
-def _optional_lightning_class(name: str) -> Callable[[], list[str]]:
-    def names() -> list[str]:
-        import megascale.lightning
-
-        cls = getattr(megascale.lightning, name, None)
-        if cls is None:
-            pytest.skip(f"megascale.lightning.{name} does not exist yet")
-        return _init_parameters(cls)
-
-    return names
-
-
-DOCUMENTED: dict[str, Callable[[], Iterable[str]]] = {
-    "MegaScaleStrategy": _strategy,
-    "GPTModule": _module,
-    "GPTConfig": _gpt_config,
-    "WebDataModule": _web_data_module,
-    "WebDataConfig": _web_data_config,
-    "Source": _source,
-    "TokenDataModule": _token_data_module,
-    "FaultTolerance": _fault_tolerance,
+# what a user configures: class name -> (module exporting it, how its arguments are read)
+CLASSES: dict[str, tuple[str, Callable[[type], list[str]]]] = {
+    "MegaScaleStrategy": ("megascale.lightning", _init_parameters),
+    "GPTModule": ("megascale.lightning", _init_parameters),
+    "GPTConfig": ("megascale.core", _fields),
+    "WebDataModule": ("megascale.data", _init_parameters),
+    "WebDataConfig": ("megascale.data", _fields),
+    "Source": ("megascale.data", _fields),
+    "TokenDataModule": ("megascale.lightning", _init_parameters),
+    "FaultTolerance": ("megascale.ft", _init_parameters),
+    "SpeedMonitor": ("megascale.lightning", _init_parameters),
+    "RunSummary": ("megascale.lightning", _init_parameters),
+}
+OTHERS: dict[str, Callable[[], list[str]]] = {
     "TRAINER_DEFAULTS": _trainer_defaults,
     "megascale-ft launch": _launch_options,
-    "SpeedMonitor": _optional_lightning_class("SpeedMonitor"),
-    "RunSummary": _optional_lightning_class("RunSummary"),
 }
 
 
-@pytest.mark.parametrize("what", list(DOCUMENTED))
+def _arguments(what: str) -> list[str]:
+    if what in OTHERS:
+        return OTHERS[what]()
+    module, read = CLASSES[what]
+    return read(getattr(importlib.import_module(module), what))
+
+
+@pytest.mark.parametrize("what", [*CLASSES, *OTHERS])
 def test_configuration_reference_names_every_argument(what: str) -> None:
-    names = list(DOCUMENTED[what]())
+    names = _arguments(what)
     assert names, f"found no arguments of {what}: the test no longer reads them right"
     documented = _code_spans(CONFIGURATION)
     missing = [n for n in names if n not in documented]
