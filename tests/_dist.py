@@ -19,7 +19,7 @@ import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 COLLECTIVE_TIMEOUT_S = 60
 
@@ -52,6 +52,19 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, workdir: str, ar
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(code)
+
+
+def finish_and_exit() -> NoReturn:
+    """End a rank of a script launched under torchrun: wait for the others, tear the group down, flush, and
+    leave with ``os._exit(0)``, which avoids gloo's occasional abort at interpreter exit (shared notes)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180) -> list[Any]:

@@ -16,17 +16,16 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import sys
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer, seed_everything
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from megascale.ft.lightning import FaultTolerance
+from tests._dist import finish_and_exit
 
 
 class Batches(Dataset):
@@ -110,11 +109,7 @@ def main() -> None:
     if trainer.global_rank == 0:
         weights = {k: v.clone() for k, v in model.state_dict().items()}
         torch.save({"weights": weights, "restored_step": ft.restored_step}, args.out)
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)  # avoids gloo's occasional abort at interpreter exit (shared notes)
+    finish_and_exit()
 
 
 if __name__ == "__main__":

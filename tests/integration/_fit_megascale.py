@@ -16,7 +16,6 @@ import argparse
 import dataclasses
 import os
 import signal
-import sys
 from typing import Any
 
 import torch
@@ -27,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from megascale.core import GPTConfig
 from megascale.ft.lightning import FaultTolerance
 from megascale.lightning import GPTModule, MegaScaleStrategy, TokenDataModule
+from tests._dist import finish_and_exit
 
 CONFIG = GPTConfig(vocab_size=100, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32,
                    pad_vocab_to_multiple_of=64, dropout=0.1)  # fmt: skip
@@ -85,10 +85,7 @@ def main() -> None:
         weights = {k: v for stage, _ in parts for k, v in stage.items()}
         restores = [r for _, r in parts]
         torch.save({"weights": weights, "restored_step": ft.restored_step, "restores": restores}, args.out)
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)  # avoids gloo's occasional abort at interpreter exit (shared notes)
+    finish_and_exit()
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from megascale.core import GPTConfig
 from megascale.lightning import GPTModule, MegaScaleStrategy, RunSummary, TokenDataModule
+from tests._dist import finish_and_exit
 
 
 class RecordLoss(Callback):
@@ -121,11 +122,7 @@ def main(spec_path: str, out_path: str) -> None:
     results = {job["name"]: run_job(job) for job in spec["jobs"]}
     if int(os.environ.get("RANK", "0")) == 0:
         torch.save(results, out_path)
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)  # avoids gloo's occasional abort at interpreter exit (shared notes)
+    finish_and_exit()
 
 
 if __name__ == "__main__":
