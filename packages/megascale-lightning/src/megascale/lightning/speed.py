@@ -109,13 +109,16 @@ class SpeedMonitor(ThroughputMonitor):
         self.progress_bar = progress_bar
         self._dp_size = 1
         self._bar: dict[str, float] = {}
+        self._measured: float | None = None
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
         self._dp_size = data_parallel_layout(trainer)[0]
         peak = self.peak_flops
         if peak == "measure":
-            peak = self._measure(trainer)
+            if self._measured is None:  # once per callback: setup runs again for each later stage
+                self._measured = self._measure(trainer)
+            peak = self._measured
         if peak is not None:
             self.available_flops = int(peak)
             for throughput in self._throughputs.values():
