@@ -6,7 +6,8 @@
 SPEC.json: {"jobs": [{"name", "strategy": {MegaScaleStrategy kwargs} | null, "config": {GPTConfig kwargs},
 "module": {GPTModule kwargs}, "data": {TokenDataModule kwargs}, "trainer": {Trainer kwargs},
 "save_at_end": path | null, "resume_from": path | null, "module_class": "pkg.mod.Class" (optional: any
-LightningModule taking **module; then "config" is unused)}, ...]}
+LightningModule taking **module; then "config" is unused), "probe": true (optional: a callback reading every
+weight after each step, as an EMA would)}, ...]}
 OUT.pt (written by global rank 0): {name: {"losses": [per optimizer step, as logged (synced over ranks)],
 "weights": {name: full fp32 tensor}}}. Several fits share the process group (Lightning keeps it alive), so
 one launch pays the ~5 s of imports once for all the layouts of a world size.
@@ -77,6 +78,12 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     summary = RunSummary(**job["summary"]) if job.get("summary") else None
     if summary is not None:
         trainer_kwargs["callbacks"] = [record, summary]
+    probe = None
+    if job.get("probe"):  # what a weight-reading callback (an EMA) sees after each step
+        from tests.lightning._own_modules import WeightProbe
+
+        probe = WeightProbe()
+        trainer_kwargs["callbacks"] = [record, probe]
     trainer_kwargs.update(job.get("trainer", {}))
     trainer = Trainer(**trainer_kwargs)
     trainer.fit(module, datamodule=data, ckpt_path=job.get("resume_from"))
@@ -95,6 +102,8 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     out["losses_by_rank"] = _gather(record.losses)
     if "val/loss" in trainer.callback_metrics:
         out["val_loss"] = float(trainer.callback_metrics["val/loss"])
+    if probe is not None:
+        out["probe_by_rank"] = _gather(probe.sums)
     if summary is not None:  # the end-of-run sample, as every rank generated it
         out["sample"] = _gather(summary.sample)
     if job.get("predict"):  # trainer.predict after fit, on the held-out windows

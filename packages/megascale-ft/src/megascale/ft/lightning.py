@@ -45,7 +45,8 @@ Design choices:
   optimizer states by owner, or a strategy whose layout is unknown here) each loads only its own
   (``partial``). Where a group of ranks holds identical state (DDP: the world; MegaScaleStrategy with ZeRO-0:
   the dp group, which lies within one pipeline stage and tp rank) one of them reads and broadcasts to the
-  rest (``replicas``); RNG states are per rank, and each rank reads its own.
+  rest (``replicas``). A strategy tells both through ``checkpoint_layout()``; RNG states are per rank, and
+  each rank reads its own.
 - Exactness: a resumed run matches an uninterrupted one bit for bit when the data pipeline resumes exactly
   (a stateful datamodule or dataloader) and the world size is the same (with another world size the
   weights reshard, but the per-rank RNG streams cannot be carried over, and are not restored).
@@ -360,20 +361,19 @@ def _load_layout(strategy: Strategy) -> tuple[bool, dist.ProcessGroup | None]:
     """``(partial, replicas)`` for `TwoStageCheckpointer.load` on this rank.
 
     partial: whether the ranks hold different entries. replicas: the group of ranks holding exactly this
-    rank's model and optimizer state, or None. MegaScaleStrategy's layout is read from its public attributes.
+    rank's model and optimizer state, or None. A strategy with the hook pair says so through its
+    ``checkpoint_layout()`` (an object with ``partial`` and ``replicas``, as MegaScaleStrategy's); one without
+    it is taken to be partial, each rank loading its own entries.
     """
     if not _has_hooks(strategy):
         if isinstance(strategy, DDPStrategy) and strategy.world_size > 1:
             return False, dist.group.WORLD  # DDP replicates the model and steps identical optimizers
         return False, None
-    dims, zero_stage = getattr(strategy, "dims", None), getattr(strategy, "zero_stage", None)
-    if dims is None or zero_stage is None:
+    layout_of = getattr(strategy, "checkpoint_layout", None)
+    if not callable(layout_of):
         return True, None  # a strategy of its own: nothing known about which ranks hold what
-    partial = dims.pp > 1 or (zero_stage == 1 and dims.dp > 1)  # stages; optimizer states by owner
-    if zero_stage != 0 or dims.dp == 1:  # ZeRO-1 splits the optimizer states over dp, ZeRO-2/3 shard all
-        return partial, None
-    # ZeRO-0 replicates over dp; a dp group lies within one pipeline stage and tp rank
-    return partial, strategy.device_mesh["dp"].get_group()  # type: ignore[attr-defined]
+    layout = layout_of()
+    return bool(layout.partial), layout.replicas
 
 
 def _weights(trainer: Trainer) -> dict[str, Any]:

@@ -33,6 +33,11 @@ class _GlobalNormClipping:
     before_optimizer_step: Callable[[Optimizer], None] | None = None
     grad_norm_group: Any = None  # pipeline ranks hold different parameters: their norms are summed over it
 
+    def _set_hooks(
+        self, before_optimizer_step: Callable[[Optimizer], None] | None, grad_norm_group: Any
+    ) -> None:
+        self.before_optimizer_step, self.grad_norm_group = before_optimizer_step, grad_norm_group
+
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         params = self.main_params(optimizer)  # type: ignore[attr-defined]
         clip_grad_norm_(params, clip_val, sum_group=self.grad_norm_group)
@@ -45,7 +50,19 @@ class _GlobalNormClipping:
 
 
 class MegaScalePrecision(_GlobalNormClipping, Precision):
-    """Full precision ("32-true")."""
+    """Full precision ("32-true").
+
+    Args:
+        before_optimizer_step: called between clipping and the optimizer's update (ZeRO-1 drops there the
+            gradients of parameters other ranks step).
+        grad_norm_group: the group over which ranks hold different parameters (pipeline stages), or None.
+    """
+
+    def __init__(
+        self, *, before_optimizer_step: Callable[[Optimizer], None] | None = None, grad_norm_group: Any = None
+    ) -> None:
+        super().__init__()
+        self._set_hooks(before_optimizer_step, grad_norm_group)
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
@@ -53,22 +70,41 @@ class MegaScalePrecision(_GlobalNormClipping, Precision):
 
 
 class MegaScaleMixedPrecision(_GlobalNormClipping, MixedPrecision):
-    """bf16 autocast over fp32 parameters ("bf16-mixed")."""
+    """bf16 autocast over fp32 parameters ("bf16-mixed"); the hooks as for ``MegaScalePrecision``."""
+
+    def __init__(
+        self,
+        precision: str = "bf16-mixed",
+        device: str = "cuda",
+        *,
+        before_optimizer_step: Callable[[Optimizer], None] | None = None,
+        grad_norm_group: Any = None,
+    ) -> None:
+        super().__init__(precision, device)  # type: ignore[arg-type]
+        self._set_hooks(before_optimizer_step, grad_norm_group)
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         _GlobalNormClipping.clip_grad_by_norm(self, optimizer, clip_val)
 
 
-def to_megascale_precision(plugin: Precision) -> MegaScalePrecision | MegaScaleMixedPrecision:
-    """The MegaScale version of the plugin Lightning chose from ``Trainer(precision=...)``."""
+def to_megascale_precision(
+    plugin: Precision,
+    *,
+    before_optimizer_step: Callable[[Optimizer], None] | None = None,
+    grad_norm_group: Any = None,
+) -> MegaScalePrecision | MegaScaleMixedPrecision:
+    """The MegaScale version of the plugin Lightning chose from ``Trainer(precision=...)``, with the
+    strategy's hooks (see ``MegaScalePrecision``)."""
+    hooks = {"before_optimizer_step": before_optimizer_step, "grad_norm_group": grad_norm_group}
     if isinstance(plugin, (MegaScalePrecision, MegaScaleMixedPrecision)):
+        plugin._set_hooks(**hooks)
         return plugin
     name = str(getattr(plugin, "precision", ""))
     if type(plugin) is Precision and name == "32-true":
-        return MegaScalePrecision()
+        return MegaScalePrecision(**hooks)
     if isinstance(plugin, MixedPrecision) and name == "bf16-mixed":
-        return MegaScaleMixedPrecision("bf16-mixed", device=plugin.device)
+        return MegaScaleMixedPrecision("bf16-mixed", device=plugin.device, **hooks)
     raise ValueError(
         f"MegaScaleStrategy supports precision {SUPPORTED}, got {name or type(plugin).__name__!r}. "
         "Use Trainer(precision='bf16-mixed') for mixed precision (fp16 would need a loss scaler)."

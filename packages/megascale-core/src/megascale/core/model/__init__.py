@@ -4,6 +4,7 @@ from megascale.core.model.attention import Attention, SelfAttention
 from megascale.core.model.block import ParallelBlock, SequentialBlock, make_block
 from megascale.core.model.generate import generate
 from megascale.core.model.gpt import GPT, LMHead, NextTokenLoss, TokenEmbedding, flops_per_token
+from megascale.core.model.layers import PipelineLayers, pipeline_layers_of
 from megascale.core.model.linear import FanInLinear, FanOutLinear, Projection
 from megascale.core.model.mlp import MLP, MLPActivation
 from megascale.core.model.norm import LayerNorm, RMSNorm, make_norm
@@ -20,6 +21,7 @@ __all__ = [
     "MLPActivation",
     "NextTokenLoss",
     "ParallelBlock",
+    "PipelineLayers",
     "Projection",
     "RMSNorm",
     "RotaryEmbedding",
@@ -30,4 +32,5 @@ __all__ = [
     "generate",
     "make_block",
     "make_norm",
+    "pipeline_layers_of",
 ]

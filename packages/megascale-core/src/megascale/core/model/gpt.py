@@ -18,6 +18,7 @@ from megascale.core import kernels
 from megascale.core._dtensor import is_dtensor, local
 from megascale.core.config import GPTConfig
 from megascale.core.model.block import make_block
+from megascale.core.model.layers import PipelineLayers
 from megascale.core.model.linear import FanInLinear, FanOutLinear
 from megascale.core.model.norm import LayerNorm, RMSNorm, make_norm
 from megascale.core.model.rope import RotaryEmbedding
@@ -109,6 +110,19 @@ class GPT(nn.Module):
         """The model in order, as a pipeline cuts it: embedding, each block, head (final norm + logits)
         (those this model holds: a pipeline rank keeps only its stages' layers)."""
         return [m for m in (self.embed, *self.blocks.values(), self.head) if m is not None]
+
+    def pipeline_layers(self) -> PipelineLayers:
+        """The layers a pipeline cuts (``megascale.core.model.layers``): the embedding first, the blocks, and
+        the head (final norm + logits) last."""
+        return PipelineLayers(
+            first=[self.embed] if self.embed is not None else [],
+            blocks=list(self.blocks.values()),
+            last=[self.head] if self.head is not None else [],
+        )
+
+    def pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The loss of the last pipeline stage's output: what ``forward(tokens, targets)`` returns."""
+        return self.loss_fn(logits, targets)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (B, T, vocab) of ``tokens`` (B, T), or the mean loss against ``targets``.

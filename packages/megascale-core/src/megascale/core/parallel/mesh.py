@@ -11,6 +11,11 @@ Rank r sits at (dp, pp, tp) = (r // (pp·tp), (r // tp) % pp, r % tp).
 
 There is no module-level parallel state: the strategy builds one ParallelDims and passes its (sub-)meshes to
 the ``apply_*`` functions explicitly.
+
+The mesh also answers to the names Lightning's ModelParallelStrategy gives its dimensions ("data_parallel",
+"tensor_parallel", and "pipeline_parallel"), so a LightningModule written for that strategy
+(``self.device_mesh["tensor_parallel"]``) runs unchanged: ``mesh["data_parallel"]`` is ``mesh["dp"]``, the
+same sub-mesh and process group, not a copy.
 """
 
 from __future__ import annotations
@@ -19,9 +24,20 @@ from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["MESH_DIMS", "ParallelDims"]
+__all__ = ["MESH_DIMS", "MESH_DIM_ALIASES", "ParallelDims"]
 
 MESH_DIMS = ("dp", "pp", "tp")
+MESH_DIM_ALIASES = {"data_parallel": "dp", "pipeline_parallel": "pp", "tensor_parallel": "tp"}
+"""Lightning ModelParallelStrategy's dimension names, and the dimension each means here."""
+
+
+class _MeshWithAliases(DeviceMesh):
+    """A DeviceMesh that also answers to ``MESH_DIM_ALIASES`` (sub-meshes it returns are plain DeviceMeshes)."""
+
+    def __getitem__(self, mesh_dim_names: str | tuple[str, ...]) -> DeviceMesh:
+        if isinstance(mesh_dim_names, str):
+            return super().__getitem__(MESH_DIM_ALIASES.get(mesh_dim_names, mesh_dim_names))
+        return super().__getitem__(tuple(MESH_DIM_ALIASES.get(n, n) for n in mesh_dim_names))
 
 
 @dataclass(frozen=True)
@@ -69,5 +85,9 @@ class ParallelDims:
         return {"dp": rank // (self.pp * self.tp), "pp": (rank // self.tp) % self.pp, "tp": rank % self.tp}
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        """The 3-D mesh named ("dp", "pp", "tp") over the default process group."""
-        return init_device_mesh(device_type, (self.dp, self.pp, self.tp), mesh_dim_names=MESH_DIMS)
+        """The 3-D mesh named ("dp", "pp", "tp") over the default process group (also indexable by
+        ``MESH_DIM_ALIASES``)."""
+        mesh = init_device_mesh(device_type, (self.dp, self.pp, self.tp), mesh_dim_names=MESH_DIMS)
+        # the class is swapped rather than the mesh re-created: the same process groups, no new ones
+        mesh.__class__ = _MeshWithAliases
+        return mesh

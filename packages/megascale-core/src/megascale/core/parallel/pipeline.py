@@ -1,22 +1,27 @@
-"""Pipeline parallelism for a GPT: cut its ordered layers into stages, keep each rank's, run the microbatches.
+"""Pipeline parallelism for any model that lists its layers: cut them into stages, keep each rank's, run the
+microbatches.
 
-A GPT's layers in order are: embedding, blocks 0..L-1, head (final norm + logits). ``split_blocks`` gives each
-of the P·V stages a run of consecutive blocks (the first stage also holds the embedding, the last the head and
-the loss); rank r of the pipeline group holds stages r, r+P, r+2P, ... (V > 1: the interleaved schedule's
-"virtual stages"). ``apply_pipeline``:
+A model joins by two methods (``megascale.core.model.layers``): ``pipeline_layers()`` — its layers in order,
+``first`` (embedding), ``blocks``, ``last`` (norm, head) — and ``pipeline_loss(output, target)``. A megascale
+GPT has both. ``split_blocks`` gives each of the P·V stages a run of consecutive blocks (the first stage also
+holds the first layers, the last stage the last layers and the loss); rank r of the pipeline group holds stages
+r, r+P, r+2P, ... (V > 1: the interleaved schedule's "virtual stages"). ``apply_pipeline``:
 
-1. prunes the GPT to this rank's layers — on the meta device, before anything is allocated, so no rank ever
-   materialises the whole model (``GPT.init_weights`` then gives the kept parameters exactly the values the
-   unsharded model has, because every parameter's init depends only on the seed and its name);
-2. makes one ``StageModule`` per stage: a view over the GPT's own submodules (shared, not copied), so every
-   parameter keeps its name in the whole model and checkpoints reshard between pipeline layouts;
-3. returns a ``Pipeline``: ``PipelineStage``s (torch.distributed.pipelining) and a schedule over them —
-   "gpipe", "1f1b" (megascale's decoupled 1F1B when available), "interleaved" (V ≥ 2).
+1. checks that every parameter of the model lives in one of its layers, and that no parameter is shared by
+   layers of different stages (tied embeddings), naming any that do not;
+2. prunes the model to this rank's layers — on the meta device, before anything is allocated, so no rank ever
+   materialises the whole model — removing the others from their parents (a ``ModuleDict`` entry is deleted, a
+   ``ModuleList`` entry replaced by an empty ``PrunedLayer`` so the kept ones keep their indices, an attribute
+   set to None): every kept parameter keeps its name, so checkpoints reshard between pipeline layouts;
+3. returns one ``StageModule`` per stage it holds: a view over the model's own layers (shared, not copied).
 
-``Pipeline.attach`` makes the GPT's forward run the pipeline, so code that calls ``model(tokens, targets)``
-(a LightningModule's training_step) drives it unchanged: in training that call runs forward and backward of
-every microbatch and returns the loss (the last stage's mean, broadcast to every stage), already
-backpropagated; under ``no_grad`` it runs forward only (validation); without targets it returns the logits.
+``build_pipeline`` then builds the ``PipelineStage``s (torch.distributed.pipelining) and a schedule — "gpipe",
+"1f1b" (megascale's decoupled 1F1B), "interleaved" (V ≥ 2) — over the finished stage modules, and makes the
+model's calls run it: ``model(inputs, targets)`` runs forward and backward of every microbatch in training and
+returns the loss (the last stage's mean, broadcast to every stage), already backpropagated; under ``no_grad``
+forward only (validation); ``model(inputs)`` returns the outputs, broadcast from the last stage. The model's
+class is swapped for a subclass whose ``forward`` does that (as ``fully_shard`` swaps classes): code that calls
+``model(x, y)`` (a LightningModule's training_step) drives the pipeline unchanged.
 """
 
 from __future__ import annotations
@@ -34,51 +39,22 @@ from torch.distributed.pipelining import (
     ScheduleLoopedBFS,
 )
 
-from megascale.core.model.gpt import GPT, LMHead, TokenEmbedding
+from megascale.core.model.layers import PipelineLayers, pipeline_layers_of
+from megascale.core.parallel.plan import SCHEDULES, ParallelPlan, split_blocks
 
 __all__ = [
     "SCHEDULES",
     "Pipeline",
+    "PrunedLayer",
     "StageModule",
     "apply_pipeline",
     "build_pipeline",
-    "check_pipeline",
+    "pipelined_modules",
     "split_blocks",
     "stages_of_rank",
 ]
 
 ScheduleName = Literal["gpipe", "1f1b", "interleaved"]
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
-
-
-def split_blocks(n_blocks: int, n_stages: int, split: Sequence[int] | None = None) -> list[list[int]]:
-    """Block indices of each stage: ``split`` (blocks per stage) if given, else as even as possible, with the
-    remainder going to the middle stages first (the first and last also carry the embedding and the head)."""
-    if split is not None:
-        if len(split) != n_stages or any(n < 0 for n in split) or sum(split) != n_blocks:
-            raise ValueError(
-                f"pipeline_split={list(split)} must give {n_stages} non-negative block counts (one per stage) "
-                f"summing to the model's {n_blocks} blocks"
-            )
-        counts = list(split)
-    else:
-        if n_stages > n_blocks:
-            raise ValueError(
-                f"{n_stages} pipeline stages but the model has only {n_blocks} blocks: each stage needs at "
-                "least one; lower pp (or virtual_stages), or give more layers"
-            )
-        base, extra = divmod(n_blocks, n_stages)
-        counts = [base] * n_stages
-        middle_first = sorted(
-            range(n_stages), key=lambda s: (s in (0, n_stages - 1), abs(2 * s - n_stages + 1))
-        )
-        for s in middle_first[:extra]:
-            counts[s] += 1
-    out, start = [], 0
-    for n in counts:
-        out.append(list(range(start, start + n)))
-        start += n
-    return out
 
 
 def stages_of_rank(pp_rank: int, pp: int, virtual_stages: int) -> list[int]:
@@ -87,34 +63,88 @@ def stages_of_rank(pp_rank: int, pp: int, virtual_stages: int) -> list[int]:
 
 
 class StageModule(nn.Module):
-    """One pipeline stage of a GPT: its run of blocks, with the embedding on the first stage and the head on
-    the last. Holds the GPT's own submodules, so parameters are shared, not copied."""
+    """One pipeline stage: its layers, called in turn. Holds the model's own layer modules, so parameters are
+    shared, not copied; ``segments`` are its (first, blocks, last) layers, for ZeRO units."""
 
-    def __init__(self, gpt: GPT, blocks: Sequence[int], first: bool, last: bool) -> None:
+    def __init__(
+        self, first: Sequence[nn.Module], blocks: Sequence[nn.Module], last: Sequence[nn.Module]
+    ) -> None:
         super().__init__()
-        self.embed: TokenEmbedding | None = gpt.embed if first else None
-        self.blocks = nn.ModuleDict({str(i): gpt.blocks[str(i)] for i in blocks})
-        self.head: LMHead | None = gpt.head if last else None
+        self.layers = nn.ModuleList([*first, *blocks, *last])
+        self.segments = [list(first), list(blocks), list(last)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.embed is not None:
-            x = self.embed(x)
-        for block in self.blocks.values():
-            x = block(x)
-        return x if self.head is None else self.head(x)
+        for layer in self.layers:
+            x = layer(x)
+        return x
 
 
-def _prune(gpt: GPT, keep: set[int], first: bool, last: bool) -> None:
-    for key in [k for k in gpt.blocks if int(k) not in keep]:
-        del gpt.blocks[key]
-    if not first:
-        gpt.embed = None
-    if not last:
-        gpt.head = None
+class PrunedLayer(nn.Module):
+    """Stands where a layer held by another pipeline rank was, in an ``nn.ModuleList``."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("this layer lives on another pipeline rank: run the model through its pipeline")
+
+
+def pipelined_modules(root: nn.Module) -> list[nn.Module]:
+    """The modules in ``root``'s tree that can be pipelined (``pipeline_layers`` and ``pipeline_loss``),
+    outermost first (one inside another is not listed)."""
+    found: list[nn.Module] = []
+    inside: set[int] = set()
+    for module in root.modules():
+        if id(module) in inside:
+            continue
+        if callable(getattr(module, "pipeline_layers", None)) and callable(
+            getattr(module, "pipeline_loss", None)
+        ):
+            found.append(module)
+            inside.update(id(m) for m in module.modules())
+    return found
+
+
+def _parents(model: nn.Module) -> dict[int, tuple[nn.Module, str]]:
+    out: dict[int, tuple[nn.Module, str]] = {}
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            out.setdefault(id(child), (parent, name))
+    return out
+
+
+def _remove(model: nn.Module, layer: nn.Module, parents: dict[int, tuple[nn.Module, str]]) -> None:
+    parent, name = parents[id(layer)]
+    if isinstance(parent, nn.ModuleDict):
+        del parent[name]
+    elif isinstance(parent, nn.ModuleList):
+        parent[int(name)] = PrunedLayer()
+    else:
+        setattr(parent, name, None)
+
+
+def _check_layers(model: nn.Module, layers: PipelineLayers, stage_of: dict[int, int], name: str) -> None:
+    """Every parameter in a layer; none shared by layers of different stages."""
+    owner: dict[int, tuple[int, str]] = {}
+    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    module_names = {id(m): n for n, m in model.named_modules()}
+    for layer in layers.all():
+        for p in layer.parameters():
+            stage, where = stage_of[id(layer)], module_names.get(id(layer), type(layer).__name__)
+            if id(p) in owner and owner[id(p)][0] != stage:
+                raise ValueError(
+                    f"pipeline parallelism: parameter {names.get(id(p), '?')!r} of {name} is shared by layers "
+                    f"{owner[id(p)][1]!r} and {where!r}, which different pipeline stages hold (tied weights): "
+                    "untie them (e.g. GPTConfig(tie_embeddings=False)) or use pp=1"
+                )
+            owner.setdefault(id(p), (stage, where))
+    loose = [n for n, p in model.named_parameters() if id(p) not in owner]
+    if loose:
+        raise ValueError(
+            f"pipeline parallelism: parameters {loose} of {name} belong to no layer of its pipeline_layers(), so "
+            "no stage would hold them: list every layer (first / blocks / last), or move these parameters into one"
+        )
 
 
 class Pipeline:
-    """This rank's stages and the schedules that run them; ``attach`` makes a GPT's forward use them."""
+    """This rank's stages and the schedules that run them; ``attach`` makes a model's calls use them."""
 
     def __init__(
         self,
@@ -125,7 +155,7 @@ class Pipeline:
         *,
         schedule: ScheduleName,
         num_microbatches: int,
-        loss_fn: nn.Module,
+        loss_fn: Any,
         device: torch.device,
     ) -> None:
         self.stage_modules, self.stage_ids, self.num_stages = stage_modules, stage_ids, num_stages
@@ -203,132 +233,116 @@ class Pipeline:
         return loss
 
     @torch.no_grad()
-    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Logits of ``tokens`` (forward only), on every rank of the pipeline."""
-        out = self._schedule("logits", tuple(tokens.shape)).eval(*((tokens,) if self.has_first else ()))
+    def outputs(self, inputs: torch.Tensor) -> torch.Tensor:
+        """The model's outputs for ``inputs`` (forward only; float32), on every rank of the pipeline."""
+        out = self._schedule("logits", tuple(inputs.shape)).eval(*((inputs,) if self.has_first else ()))
+        shape = torch.zeros(8, dtype=torch.long, device=self.device)  # (ndim, sizes...) of the output
         if self.has_last:
-            assert isinstance(out, torch.Tensor)
-            meta = torch.tensor(out.shape[-1], device=self.device)
-        else:
-            meta = torch.zeros((), dtype=torch.long, device=self.device)
-        dist.broadcast(meta, src=self.last_rank, group=self.group)
+            assert isinstance(out, torch.Tensor) and out.dim() < 8
+            shape[0] = out.dim()
+            shape[1 : 1 + out.dim()] = torch.tensor(out.shape)
+        dist.broadcast(shape, src=self.last_rank, group=self.group)
         if not self.has_last:
-            out = torch.empty(*tokens.shape, int(meta), dtype=torch.float32, device=self.device)
-        logits = out.float().contiguous()
-        dist.broadcast(logits, src=self.last_rank, group=self.group)
-        return logits
+            out = torch.empty(shape[1 : 1 + int(shape[0])].tolist(), dtype=torch.float32, device=self.device)
+        result = out.float().contiguous()
+        dist.broadcast(result, src=self.last_rank, group=self.group)
+        return result
 
-    def attach(self, gpt: GPT) -> None:
-        """Make ``gpt(tokens, targets)`` run this pipeline (see the module docstring)."""
+    def attach(self, model: nn.Module) -> None:
+        """Make ``model(inputs, targets)`` and ``model(inputs)`` run this pipeline (see the module docstring)."""
+        model.__class__ = _pipelined_class(type(model))
+        model._megascale_pipeline = self  # type: ignore[assignment]
 
-        def forward(tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-            if targets is None:
-                return self.logits(tokens)
-            return self.loss(tokens, targets, backward=torch.is_grad_enabled() and gpt.training)
 
-        gpt.forward = forward  # type: ignore[method-assign]
+class _RunsPipeline:
+    """The forward of a pipelined model (mixed into its class by ``Pipeline.attach``)."""
+
+    _megascale_pipeline: Pipeline
+    training: bool
+
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        if targets is None:
+            return self._megascale_pipeline.outputs(inputs)
+        backward = torch.is_grad_enabled() and self.training
+        return self._megascale_pipeline.loss(inputs, targets, backward=backward)
+
+
+_PIPELINED: dict[type, type] = {}
+
+
+def _pipelined_class(cls: type) -> type:
+    if issubclass(cls, _RunsPipeline):
+        return cls
+    if cls not in _PIPELINED:
+        _PIPELINED[cls] = type(f"Pipelined{cls.__name__}", (_RunsPipeline, cls), {"__module__": cls.__module__})
+    return _PIPELINED[cls]
 
 
 def _one_f_one_b() -> type:
-    """megascale's decoupled 1F1B when present, torch's otherwise (same interface and results)."""
-    try:
-        from megascale.core.parallel.pipeline_schedules import ScheduleDecoupled1F1B
+    from megascale.core.parallel.pipeline_schedules import ScheduleDecoupled1F1B
 
-        return ScheduleDecoupled1F1B
-    except ImportError:
-        from torch.distributed.pipelining import Schedule1F1B
-
-        return Schedule1F1B
-
-
-def check_pipeline(
-    n_blocks: int,
-    pp: int,
-    *,
-    schedule: str,
-    virtual_stages: int,
-    num_microbatches: int,
-    split: Sequence[int] | None = None,
-) -> None:
-    """Raise ValueError, with what to change, for a pipeline layout that cannot run (no collective used)."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"pipeline schedule {schedule!r} must be one of {SCHEDULES}")
-    if virtual_stages < 1:
-        raise ValueError(f"virtual_stages={virtual_stages} must be >= 1")
-    if virtual_stages > 1 and schedule != "interleaved":
-        raise ValueError(
-            f"virtual_stages={virtual_stages} needs schedule='interleaved' (got {schedule!r}): only the "
-            "interleaved schedule runs several stages per rank"
-        )
-    if schedule == "interleaved" and virtual_stages < 2:
-        raise ValueError("schedule='interleaved' needs virtual_stages >= 2 (stages per rank)")
-    if num_microbatches < 1:
-        raise ValueError(f"num_microbatches={num_microbatches} must be >= 1")
-    if pp > 1 and schedule in ("1f1b", "interleaved") and num_microbatches < pp:
-        raise ValueError(
-            f"the {schedule} schedule needs at least as many microbatches as pipeline ranks: "
-            f"num_microbatches={num_microbatches} < pp={pp}"
-        )
-    if schedule == "interleaved" and num_microbatches % pp:
-        raise ValueError(
-            f"the interleaved schedule runs microbatches in rounds of pp: num_microbatches={num_microbatches} "
-            f"is not a multiple of pp={pp}; use {pp * max(1, round(num_microbatches / pp))}"
-        )
-    split_blocks(n_blocks, pp * virtual_stages, split)
+    return ScheduleDecoupled1F1B
 
 
 def apply_pipeline(
-    gpt: GPT,
-    pp_mesh: Any,
-    *,
-    schedule: ScheduleName = "1f1b",
-    num_microbatches: int,
-    virtual_stages: int = 1,
-    split: Sequence[int] | None = None,
+    model: nn.Module, pp_mesh: Any, plan: ParallelPlan, *, name: str = "the model"
 ) -> list[StageModule]:
-    """Prune ``gpt`` to this rank's stages (in place) and return one ``StageModule`` per stage it holds.
+    """Prune ``model`` to this rank's stages (in place) and return one ``StageModule`` per stage it holds.
 
-    The schedule is built by ``build_pipeline`` once the stage modules are materialised and wrapped
-    (activation checkpointing, ZeRO): torch's PipelineStage must see the final modules.
+    ``model`` offers ``pipeline_layers()`` and ``pipeline_loss()``; ``name`` is how errors call it. The schedule
+    is built by ``build_pipeline`` once the stage modules are materialised and wrapped (activation
+    checkpointing, ZeRO): torch's PipelineStage must see the final modules.
     """
-    pp = pp_mesh.size()
-    if gpt.config.tie_embeddings and pp > 1:
+    layers = pipeline_layers_of(model)
+    if layers is None or not callable(getattr(model, "pipeline_loss", None)):
         raise ValueError(
-            "tie_embeddings=True with pp > 1: the embedding (first stage) and the output projection (last "
-            "stage) would live on different ranks; untie them (tie_embeddings=False) or use pp=1"
+            f"pipeline parallelism needs {name} ({type(model).__name__}) to list its layers and compute its "
+            "loss: give it pipeline_layers() (megascale.core.model.PipelineLayers) and pipeline_loss(output, "
+            "target) (see docs/guides/lightning.md, 'Your own model')"
         )
-    check_pipeline(
-        gpt.config.n_layers, pp, schedule=schedule, virtual_stages=virtual_stages,
-        num_microbatches=num_microbatches, split=split,
-    )  # fmt: skip
-    num_stages = pp * virtual_stages
-    blocks = split_blocks(gpt.config.n_layers, num_stages, split)
-    mine = stages_of_rank(pp_mesh.get_local_rank(), pp, virtual_stages)
-    _prune(gpt, {b for s in mine for b in blocks[s]}, first=0 in mine, last=num_stages - 1 in mine)
-    return [StageModule(gpt, blocks[s], first=s == 0, last=s == num_stages - 1) for s in mine]
+    pp, v = pp_mesh.size(), plan.virtual_stages
+    plan.check_pipeline(len(layers.blocks))
+    num_stages = pp * v
+    blocks = split_blocks(len(layers.blocks), num_stages, plan.pipeline_split)
+    stage_of = {id(m): 0 for m in layers.first} | {id(m): num_stages - 1 for m in layers.last}
+    for s, indices in enumerate(blocks):
+        stage_of.update({id(layers.blocks[i]): s for i in indices})
+    _check_layers(model, layers, stage_of, name)
+    mine = stages_of_rank(pp_mesh.get_local_rank(), pp, v)
+    stages = [
+        StageModule(
+            layers.first if s == 0 else [],
+            [layers.blocks[i] for i in blocks[s]],
+            layers.last if s == num_stages - 1 else [],
+        )
+        for s in mine
+    ]
+    parents = _parents(model)
+    for layer in layers.all():
+        if stage_of[id(layer)] not in mine:
+            _remove(model, layer, parents)
+    return stages
 
 
 def build_pipeline(
-    gpt: GPT,
+    model: nn.Module,
     stage_modules: list[StageModule],
     pp_mesh: Any,
+    plan: ParallelPlan,
     *,
-    schedule: ScheduleName,
-    num_microbatches: int,
-    virtual_stages: int,
     device: torch.device | str,
 ) -> Pipeline:
-    """The schedule over this rank's (materialised, wrapped) stage modules, attached to ``gpt``."""
+    """The schedule over this rank's (materialised, wrapped) stage modules, attached to ``model``."""
     pp = pp_mesh.size()
     pipeline = Pipeline(
         stage_modules,
-        stages_of_rank(pp_mesh.get_local_rank(), pp, virtual_stages),
-        pp * virtual_stages,
+        stages_of_rank(pp_mesh.get_local_rank(), pp, plan.virtual_stages),
+        pp * plan.virtual_stages,
         pp_mesh.get_group(),
-        schedule=schedule,
-        num_microbatches=num_microbatches,
-        loss_fn=gpt.loss_fn,
+        schedule=plan.schedule,
+        num_microbatches=plan.microbatches,
+        loss_fn=model.pipeline_loss,
         device=torch.device(device),
     )
-    pipeline.attach(gpt)
+    pipeline.attach(model)
     return pipeline

@@ -4,7 +4,7 @@ Why FSDP2 here: it already is ZeRO-2/3 for DTensor parameters — it shards each
 data-parallel mesh dimension (composing with our tensor-parallel DTensors into 2-D shards), reduce-scatters
 gradients per unit as backward reaches it, keeps fp32 sharded master weights with bf16 compute copies, and
 its shards are DTensors, so ``torch.distributed.checkpoint`` reshards them across layouts. Re-implementing
-that would add risk and no capability. Stages 0/1 are megascale's own (``zero.py``), where replicated
+that would add risk and no capability. Stages 0/1 are megascale's own (``grad_reduce.py``, ``optimizer_state.py``), where replicated
 parameters make a DDP-style bucketed all-reduce cheaper than FSDP2's per-parameter machinery.
 
 - stage 2: ``reshard_after_forward=False``. Parameters stay gathered from forward to backward; gradients are
@@ -15,13 +15,15 @@ parameters make a DDP-style bucketed all-reduce cheaper than FSDP2's per-paramet
   in backward. With ``prefetch``, unit i's forward issues unit i+1's all-gather (and backward the previous
   unit's), and ``prefetch_first_unit`` issues the first unit's gather before a forward starts.
 
-A unit ("bucket") is a group of consecutive blocks of at most ``bucket_size_mb`` of parameters; the
-embedding and the head are units of their own. ``overlap_grad_reduce=False`` makes the whole model one unit:
-one reduce-scatter after the whole backward, nothing overlapped.
+A unit ("bucket") is a group of consecutive layers of at most ``bucket_size_mb`` of parameters, in forward
+order; the caller says what the layers are (a GPT's embedding, blocks and head; a pipeline stage's; a user
+model's blocks). ``overlap_grad_reduce=False`` makes the root the only unit: one reduce-scatter after the whole
+backward, nothing overlapped.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -29,10 +31,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from megascale.core.model.gpt import GPT
-from megascale.core.parallel.pipeline import StageModule
-
-__all__ = ["FSDPUnits", "apply_fsdp"]
+__all__ = ["FSDPUnits", "apply_fsdp", "group_layers"]
 
 
 class FSDPUnits:
@@ -47,72 +46,74 @@ class FSDPUnits:
         if self.units:
             self.units[0].unshard(async_op=True)
 
-    def set_requires_gradient_sync(self, sync: bool) -> None:
-        self.root.set_requires_gradient_sync(sync)
-
 
 def _bytes(modules: list[nn.Module]) -> int:
     return sum(p.numel() * p.element_size() for m in modules for p in m.parameters())
 
 
-def _group_blocks(blocks: list[nn.Module], bucket_bytes: float) -> list[list[nn.Module]]:
+def group_layers(layers: Sequence[nn.Module], bucket_size_mb: float) -> list[list[nn.Module]]:
+    """Consecutive ``layers`` grouped into units of at most ``bucket_size_mb`` of parameters (0: one each)."""
+    bucket_bytes = bucket_size_mb * 2**20
     groups: list[list[nn.Module]] = []
-    for block in blocks:
-        if groups and _bytes(groups[-1] + [block]) <= bucket_bytes:
-            groups[-1].append(block)
+    for layer in layers:
+        if groups and _bytes(groups[-1] + [layer]) <= bucket_bytes:
+            groups[-1].append(layer)
         else:
-            groups.append([block])
+            groups.append([layer])
     return groups
 
 
 def apply_fsdp(
-    model: GPT | StageModule,
+    root: nn.Module,
+    units: Sequence[Sequence[nn.Module]],
     dp_mesh: DeviceMesh,
     *,
     stage: int,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype = torch.float32,
-    bucket_size_mb: float = 0.0,
-    overlap_grad_reduce: bool = True,
     prefetch: bool = True,
+    cast_root_inputs: bool = True,
 ) -> FSDPUnits:
-    """Shard ``model`` (already tensor-parallel, if at all) over ``dp_mesh`` as ZeRO ``stage`` 2 or 3.
+    """Shard ``root`` (already tensor-parallel, if at all) over ``dp_mesh`` as ZeRO ``stage`` 2 or 3.
 
-    ``model`` is a GPT, or one pipeline stage of it (a ``StageModule``, which then becomes the FSDP root: the
-    pipeline schedule calls stages, not the GPT).
+    Each entry of ``units`` (modules of ``root``'s tree, in forward order) becomes one FSDP unit, gathered and
+    reduce-scattered together; ``root`` then holds every parameter no unit does. The root must be the module
+    whose forward runs around the units' (a pipeline stage for the schedule; the LightningModule, whose
+    training_step the strategy runs inside its forward).
 
     Args:
         param_dtype: compute dtype of the gathered parameters (bf16 for mixed precision); the sharded
             master parameters keep their own dtype (fp32).
         reduce_dtype: dtype of the gradient reduce-scatter (fp32: gradients are summed in full precision).
-        bucket_size_mb: blocks are grouped into units of at most this many MB (0: one block per unit).
-        overlap_grad_reduce: units per bucket, reduced during backward; False: one unit, reduced at the end.
         prefetch: gather unit i+1 while unit i computes (forward and backward).
+        cast_root_inputs: let the root cast its floating-point inputs to ``param_dtype`` (FSDP2's default);
+            False for a root whose inputs are the user's batch (targets must keep their precision).
     """
     if stage not in (2, 3):
         raise ValueError(f"apply_fsdp implements ZeRO stages 2 and 3, not {stage}")
-    kwargs: dict[str, Any] = {
-        "mesh": dp_mesh,
-        "reshard_after_forward": stage == 3,
-        "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
-    }
-    units: list[FSDPModule] = []
-    if overlap_grad_reduce:
-        groups: list[list[nn.Module]] = [[model.embed]] if model.embed is not None else []
-        groups += _group_blocks(list(model.blocks.values()), bucket_size_mb * 2**20)
-        groups += [[model.head]] if model.head is not None else []
-        for group in groups:
-            # a list becomes one unit (one parameter group) whose modules share its state: keep the first
-            sharded = fully_shard(group, **kwargs) if len(group) > 1 else [fully_shard(group[0], **kwargs)]
-            units.append(sharded[0])
-    root = fully_shard(model, **kwargs)
-    if not units:
-        units = [root]
-    if prefetch and len(units) > 1:
-        for i, unit in enumerate(units):
-            unit.set_modules_to_forward_prefetch(units[i + 1 : i + 2])
-            unit.set_modules_to_backward_prefetch(units[i - 1 : i] if i > 0 else [])
-    elif len(units) > 1:
-        for unit in units:
+
+    def kwargs(cast: bool) -> dict[str, Any]:
+        policy = MixedPrecisionPolicy(
+            param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=cast
+        )
+        return {"mesh": dp_mesh, "reshard_after_forward": stage == 3, "mp_policy": policy}
+
+    sharded: list[FSDPModule] = []
+    for group in units:
+        group = list(group)
+        # a list becomes one unit (one parameter group) whose modules share its state: keep the first
+        out = (
+            fully_shard(group, **kwargs(True)) if len(group) > 1 else [fully_shard(group[0], **kwargs(True))]
+        )
+        sharded.append(out[0])
+    top = fully_shard(root, **kwargs(cast_root_inputs))
+    if not sharded:
+        sharded = [top]
+    if prefetch and len(sharded) > 1:
+        for i, unit in enumerate(sharded):
+            unit.set_modules_to_forward_prefetch(sharded[i + 1 : i + 2])
+            unit.set_modules_to_backward_prefetch(sharded[i - 1 : i] if i > 0 else [])
+    elif len(sharded) > 1:
+        for unit in sharded:
             unit.set_modules_to_backward_prefetch([])
-    return FSDPUnits(root, units)
+    return FSDPUnits(top, sharded)

@@ -1,21 +1,7 @@
-# ZeRO: sharding the training state over the data-parallel group (Rajbhandari et al. 2020, "ZeRO: Memory
-# Optimizations Toward Training Trillion Parameter Models").
-#
-# Data parallelism keeps a full copy of the training state on every rank: parameters, gradients and the
-# optimizer state (for Adam or LAMB, two more tensors per parameter, often in fp32: the largest part). ZeRO
-# shards these over the dp ranks, in stages:
-#     stage 0  nothing sharded: gradients all-reduced (DDP). Here: data_parallel.BucketedGradReduce, which
-#              unlike DDP takes DTensor (tensor-parallel) parameters.
-#     stage 1  optimizer state sharded: each rank steps only the parameters it owns and sends the results
-#              to the others. Here: OptimizerStateSharding (below).
-#     stage 2  gradients sharded too (reduce-scatter instead of all-reduce), and
-#     stage 3  parameters sharded too (gathered per layer for forward and backward): both are FSDP2
-#              (`fully_shard`; stage 2 is reshard_after_forward=False), set up by the strategy.
-# Each stage below keeps to the same contract: pure torch, works with plain and DTensor (TP) parameters, and
-# leaves the user's torch.optim.Optimizer in place, so LR schedulers and Lightning keep their references.
-#
-# This file: one section per stage that needs code of its own. Add new stages as new sections and names in
-# __all__; shared helpers go above the first section.
+"""ZeRO stage 1: each data-parallel rank keeps the optimizer state of the parameters it owns.
+
+The stages together are described in ``megascale.core.parallel.zero``; this file is stage 1's mechanism.
+"""
 
 from __future__ import annotations
 
@@ -52,8 +38,6 @@ def _local_nbytes(t: Tensor) -> int:
     return shard.numel() * shard.element_size()
 
 
-# ==== stage 1: optimizer state sharding ===================================================================
-#
 # Why this shape. ZeroRedundancyOptimizer (torch's ZeRO-1) builds a second optimizer over each rank's share,
 # which hides the user's optimizer from LR schedulers and Lightning, and it broadcasts whole parameters, which
 # breaks on DTensors. Here the user's optimizer stays as it is. Every parameter has one owner in the dp

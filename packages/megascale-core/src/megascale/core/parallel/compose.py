@@ -1,0 +1,359 @@
+"""parallelize: the one order in which megascale composes its parallelisms on a model.
+
+    runtime = parallelize(module, plan, mesh, device=device)
+
+``module`` is whatever holds the model: a LightningModule, or any ``nn.Module``, built on the meta device or
+not. ``mesh`` is the ("dp", "pp", "tp") DeviceMesh of ``ParallelDims.build_mesh``. The order:
+
+1. tensor (+ sequence) parallelism on "tp" — first, because it decides what each parameter is: every
+   megascale GPT by ``apply_tensor_parallel``, every module declaring a ``tensor_parallel_plan`` by
+   ``apply_tensor_parallel_plan``; parameters the module split itself (DTensors on "tp") are kept;
+2. pipeline split on "pp": the one model offering ``pipeline_layers()``/``pipeline_loss()`` keeps this
+   rank's stages — still on the meta device, so no rank materialises the whole model;
+3. materialisation of meta tensors (``materialize``: each module's own init, the same values in any layout);
+4. activation checkpointing — wraps the already-split blocks, so recomputation replays their collectives;
+5. data-parallel replicas made equal (rank 0's values), then ZeRO on "dp" over *every* parameter of
+   ``module`` (``zero.apply_zero``): units per block where the model lists its blocks, the rest under
+   ``module`` itself, whose forward must run around the training step (MegaScaleStrategy runs training_step
+   inside it, as Lightning does for DDP and FSDP wrappers);
+6. the pipeline schedule over the finished stage modules, attached to the model.
+
+Whatever a layout cannot do for a module is an error naming it, raised before the first collective:
+a module sharded or wrapped elsewhere (DDP, FSDP1, DTensors on another mesh), pipelining a model that does
+not list its layers, parameters outside the pipelined model. A module that applied ``fully_shard`` itself on
+the data-parallel mesh keeps its sharding, and no ZeRO is added (with a warning saying so).
+
+The returned ``ParallelRuntime`` holds what the training loop needs afterwards: the ZeRO hooks, the pipeline,
+the group over which gradient norms are summed, and the checkpoint layout.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from megascale.core._dtensor import is_dtensor, local
+from megascale.core.model.gpt import GPT
+from megascale.core.model.layers import pipeline_layers_of
+from megascale.core.parallel.activation_checkpoint import apply_activation_checkpointing
+from megascale.core.parallel.materialize import has_meta_tensors, materialize
+from megascale.core.parallel.mesh import MESH_DIMS, ParallelDims
+from megascale.core.parallel.plan import ParallelPlan
+from megascale.core.parallel.zero import UnitTree, ZeroRuntime, apply_zero
+
+__all__ = ["CheckpointLayout", "ParallelRuntime", "parallelize"]
+
+
+@dataclass(frozen=True)
+class CheckpointLayout:
+    """Which ranks hold what, for a checkpointer that reads once and broadcasts (megascale-ft).
+
+    partial: ranks hold different entries (pipeline stages; ZeRO-1 optimizer states by owner), so each loads
+        only those it has. replicas: the ranks holding exactly this rank's model and optimizer state (ZeRO-0
+        replicas: one of them may read and broadcast to the others), or None.
+    """
+
+    partial: bool
+    replicas: dist.ProcessGroup | None
+
+
+@dataclass
+class ParallelRuntime:
+    """What ``parallelize`` set up, for the training loop: ZeRO hooks, the pipeline (pp > 1), and more."""
+
+    plan: ParallelPlan
+    dims: ParallelDims
+    mesh: DeviceMesh
+    zero: ZeroRuntime
+    pipeline: object | None = None  # megascale.core.parallel.pipeline.Pipeline
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def grad_norm_group(self) -> dist.ProcessGroup | None:
+        """The group over which ranks hold different parameters (pipeline stages): a global gradient norm sums
+        its parts over it. None without pipeline parallelism."""
+        return self.mesh["pp"].get_group() if self.dims.pp > 1 else None
+
+    def checkpoint_layout(self) -> CheckpointLayout:
+        partial = self.dims.pp > 1 or (self.zero.stage == 1)
+        return CheckpointLayout(partial=partial, replicas=self.zero.replica_group())
+
+
+def parallelize(
+    module: nn.Module,
+    plan: ParallelPlan,
+    mesh: DeviceMesh,
+    *,
+    device: torch.device | str,
+    param_dtype: torch.dtype | None = None,
+) -> ParallelRuntime:
+    """Apply ``plan`` to ``module`` in place, in the order of the module docstring; every rank calls it.
+
+    Args:
+        module: the model, or the LightningModule holding it (its forward must run around every use of
+            parameters outside the listed blocks under ZeRO; see the module docstring).
+        plan: the layout; its sizes must match ``mesh``.
+        mesh: the ("dp", "pp", "tp") mesh (``ParallelDims.build_mesh``).
+        device: where materialised and moved tensors go.
+        param_dtype: ZeRO-2/3 gather parameters in this dtype (bf16 under mixed precision).
+    """
+    dims = ParallelDims(dp=mesh["dp"].size(), pp=mesh["pp"].size(), tp=mesh["tp"].size())
+    if (dims.tp, dims.pp) != (plan.tp, plan.pp):
+        raise ValueError(
+            f"the mesh is dp×pp×tp = {dims.dp}×{dims.pp}×{dims.tp}, the plan tp={plan.tp}, pp={plan.pp}"
+        )
+    plan.check_model(module)
+    user_fsdp = _check_foreign_sharding(module, mesh, dims)
+    notes: list[str] = []
+    gpts = [m for m in module.modules() if isinstance(m, GPT)]
+
+    if dims.tp > 1:  # 1.
+        notes += _apply_tensor_parallel(module, gpts, plan, mesh["tp"])
+    stages: list = []
+    pipelined: nn.Module | None = None
+    if dims.pp > 1:  # 2.
+        from megascale.core.parallel.pipeline import apply_pipeline
+
+        pipelined, name = _the_pipelined_model(module, user_fsdp)
+        stages = apply_pipeline(pipelined, mesh["pp"], plan, name=name)
+    if has_meta_tensors(module):  # 3.
+        notes += _materialize(module, gpts, device)
+    module.to(device)
+    if plan.activation_checkpointing != "none":  # 4.
+        blocks = [b for stage in stages for b in stage.segments[1]] if stages else None
+        apply_activation_checkpointing(module, plan.activation_checkpointing, plan.checkpoint_modules, blocks)
+    _broadcast_replicas(module, mesh["dp"])  # 5.
+    if user_fsdp:
+        zero = ZeroRuntime()
+        notes.append(
+            f"ZeRO: the model applied fully_shard itself on the data-parallel mesh, so it keeps that sharding and "
+            f"no ZeRO of the strategy's own is added (zero_stage={plan.zero_stage} does not apply)"
+        )
+    else:
+        trees = (
+            [UnitTree(stage, stage.segments) for stage in stages]
+            if stages
+            else [UnitTree(module, _unit_segments(module, plan.zero_stage >= 2), cast_inputs=False)]
+        )
+        zero = apply_zero(
+            trees, mesh["dp"], stage=plan.zero_stage, bucket_size_mb=plan.bucket_size_mb,
+            overlap_grad_reduce=plan.overlap_grad_reduce, overlap_param_gather=plan.overlap_param_gather,
+            param_dtype=param_dtype, accumulations=plan.microbatches if stages else 1, zero1_root=module,
+        )  # fmt: skip
+    pipeline = None
+    if stages:  # 6.
+        from megascale.core.parallel.pipeline import build_pipeline
+
+        assert pipelined is not None
+        pipeline = build_pipeline(pipelined, stages, mesh["pp"], plan, device=device)
+    if notes and dist.get_rank() == 0:
+        for note in notes:
+            warnings.warn(note, stacklevel=2)
+    return ParallelRuntime(plan=plan, dims=dims, mesh=mesh, zero=zero, pipeline=pipeline, notes=notes)
+
+
+# ---- 0. what is there ------------------------------------------------------------------------------------
+
+
+def _submeshes(mesh: DeviceMesh) -> set[str]:
+    """Rank layouts of every sub-mesh of ``mesh``, to recognise a DTensor's mesh."""
+    out = set()
+    for n in range(1, len(MESH_DIMS) + 1):
+        for dims in itertools.combinations(MESH_DIMS, n):
+            out.add(repr(mesh[dims].mesh.tolist()))
+    return out
+
+
+def _check_foreign_sharding(module: nn.Module, mesh: DeviceMesh, dims: ParallelDims) -> bool:
+    """Refuse wrappers and shardings that do not compose; True when the module applied FSDP2 itself."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
+
+    for name, m in module.named_modules():
+        if isinstance(m, DistributedDataParallel):
+            raise ValueError(
+                f"{name or type(module).__name__} is wrapped in DistributedDataParallel: the strategy does the data "
+                "parallelism (ZeRO); build the module unwrapped"
+            )
+        if type(m).__name__ == "FullyShardedDataParallel":
+            raise ValueError(
+                f"{name or type(module).__name__} is wrapped in FSDP1 (FullyShardedDataParallel): use "
+                "torch.distributed.fsdp.fully_shard on self.device_mesh['dp'], or leave ZeRO to the strategy"
+            )
+    ours = _submeshes(mesh)
+    dp_peers = set(mesh["dp"].mesh.flatten().tolist()) - {dist.get_rank()}
+    fsdp_params: set[int] = set()
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            fsdp_params.update(id(p) for p in m.parameters())
+    for name, p in module.named_parameters():
+        if not is_dtensor(p):
+            continue
+        layout = p.device_mesh.mesh  # type: ignore[attr-defined]
+        if repr(layout.tolist()) not in ours:
+            raise ValueError(
+                f"parameter {name} is a DTensor on a mesh of ranks {layout.tolist()} that is not the strategy's "
+                f"(dp×pp×tp = {dims.dp}×{dims.pp}×{dims.tp}): split your model on self.device_mesh['tp'] "
+                "(tensor parallel) or ['dp'] (fully_shard), not on a mesh of your own"
+            )
+        if id(p) in fsdp_params and dims.dp > 1 and not dp_peers & set(layout.flatten().tolist()):
+            raise ValueError(
+                f"parameter {name} is sharded by fully_shard on a mesh without the data-parallel ranks "
+                f"({layout.tolist()}): fully_shard on self.device_mesh['dp'] (or ['data_parallel'])"
+            )
+    if not fsdp_params:
+        return False
+    if dims.pp > 1:
+        raise ValueError(
+            "the model applied fully_shard itself, and pp > 1: pipeline stages are sharded by the strategy "
+            "(zero_stage=2); leave fully_shard out of configure_model, or use pp=1"
+        )
+    loose = [n for n, p in module.named_parameters() if id(p) not in fsdp_params]
+    if loose and dims.dp > 1:
+        raise ValueError(
+            f"the model applied fully_shard itself but left parameters {loose} outside it, which would then be "
+            "neither sharded nor averaged over the data-parallel ranks: fully_shard their modules too (or the "
+            "module holding them), or leave all of ZeRO to the strategy"
+        )
+    return True
+
+
+# ---- 1. tensor parallelism -------------------------------------------------------------------------------
+
+
+def _apply_tensor_parallel(
+    module: nn.Module, gpts: list[GPT], plan: ParallelPlan, tp_mesh: DeviceMesh
+) -> list[str]:
+    from megascale.core.parallel.tensor_parallel import apply_tensor_parallel
+
+    chunks = plan.tp_comm_chunks if plan.overlap_tp_comm else 1
+    already = {id(p) for p in module.parameters() if is_dtensor(p)}
+    for gpt in gpts:
+        apply_tensor_parallel(gpt, tp_mesh, sequence_parallel=plan.sequence_parallel, overlap=plan.overlap_tp_comm,
+                              overlap_chunks=plan.tp_comm_chunks)  # fmt: skip
+    if any(getattr(m, "tensor_parallel_plan", None) is not None for m in module.modules()):
+        from megascale.core.parallel.tp_plan import apply_tensor_parallel_plan, find_tensor_parallel_plans
+
+        for _, m, tp_plan in find_tensor_parallel_plans(module):
+            apply_tensor_parallel_plan(
+                m, tp_plan, tp_mesh, sequence_parallel=plan.sequence_parallel, overlap_chunks=chunks
+            )
+    if not any(is_dtensor(p) for p in module.parameters()):
+        raise ValueError(
+            f"tp={plan.tp} found nothing to split: the model has no megascale GPT, no module declaring a "
+            "tensor_parallel_plan, and configure_model() split nothing over self.device_mesh['tp']. Give your model "
+            "a tensor_parallel_plan (module-name patterns -> 'colwise'/'rowwise'/...), or use tp=1"
+        )
+    if not already:
+        return []
+    names = sorted({n.rpartition(".")[0] for n, p in module.named_parameters() if id(p) in already})
+    return [
+        f"tensor parallelism of {names} was applied by the model itself (DTensor): sequence_parallel, "
+        "overlap_tp_comm and tp_comm_chunks do not apply to those layers; declare a tensor_parallel_plan "
+        "instead to get them"
+    ]
+
+
+# ---- 2. pipeline -----------------------------------------------------------------------------------------
+
+
+def _the_pipelined_model(module: nn.Module, user_fsdp: bool) -> tuple[nn.Module, str]:
+    from megascale.core.parallel.pipeline import pipelined_modules
+
+    found = pipelined_modules(module)
+    names = {id(m): n for n, m in module.named_modules()}
+    if len(found) != 1:
+        listed = [f"{names[id(m)] or '<root>'} ({type(m).__name__})" for m in found]
+        raise ValueError(
+            f"pipeline parallelism needs exactly one model offering pipeline_layers() and pipeline_loss() in "
+            f"{type(module).__name__}, found {len(found)}{': ' + ', '.join(listed) if listed else ''}. A megascale "
+            "GPT has both; give your model these two methods (docs/guides/lightning.md, 'Your own model'), or "
+            "use pp=1"
+        )
+    model = found[0]
+    inside = {id(p) for p in model.parameters()}
+    outside = [n for n, p in module.named_parameters() if id(p) not in inside]
+    if outside:
+        raise ValueError(
+            f"pipeline parallelism: parameters {outside} are outside the pipelined model "
+            f"{names[id(model)] or '<root>'}, so no pipeline stage would run them in step with its layers: "
+            "make them part of one of its layers (e.g. a value head inside the last layers), or use pp=1"
+        )
+    return model, names[id(model)] or type(model).__name__
+
+
+# ---- 3. materialisation ----------------------------------------------------------------------------------
+
+
+def _materialize(module: nn.Module, gpts: list[GPT], device: torch.device | str) -> list[str]:
+    for gpt in gpts:  # every rank must materialise the same values: take rank 0's seeds
+        gpt.init_seed = _broadcast_int(gpt.init_seed)
+    seed = _broadcast_int(torch.initial_seed())
+    reset = materialize(module, device, seed=seed)
+    if not reset:
+        return []
+    return [
+        f"meta_init: {reset} were initialised by their reset_parameters() (PyTorch's defaults, each drawn from "
+        "the run's seed and its name, the same in every layout); init code in __init__ or configure_model does "
+        "not run on meta tensors: give the model an init_weights() to initialise it your way"
+    ]
+
+
+def _broadcast_int(value: int) -> int:
+    box = [int(value)]
+    dist.broadcast_object_list(box, src=0)
+    return int(box[0])
+
+
+# ---- 5. data parallelism ---------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def _broadcast_replicas(module: nn.Module, dp_mesh: DeviceMesh) -> None:
+    """Every data-parallel replica starts from its dp group's first rank's values, as DDP does (a run that
+    forgot to seed every rank alike would otherwise train diverging replicas). Tensors split over dp (a
+    model's own fully_shard) are shards, not replicas: left alone."""
+    if dp_mesh.size() == 1:
+        return
+    group = dp_mesh.get_group()
+    peers = set(dp_mesh.mesh.flatten().tolist()) - {dist.get_rank()}
+    src = dist.get_global_rank(group, 0)
+    for tensor in [*module.parameters(), *module.buffers()]:
+        if is_dtensor(tensor) and peers & set(tensor.device_mesh.mesh.flatten().tolist()):  # type: ignore[attr-defined]
+            continue
+        dist.broadcast(local(tensor), src=src, group=group)
+
+
+def _unit_segments(module: nn.Module, module_lists: bool) -> list[list[nn.Module]]:
+    """Layers that become ZeRO units, in forward order, as segments (see ``UnitTree``): the first, blocks and
+    last layers of every model listing them (a GPT, a user model with ``pipeline_layers()``); with
+    ``module_lists`` (ZeRO-2/3) also the entries of any other plain ``nn.ModuleList``/``nn.ModuleDict`` holding
+    parameters, the usual home of transformer blocks. Only those exact containers: subclasses (megascale's
+    grouped linears among them) may read their entries' parameters without calling them, which a unit must
+    not be (its parameters would stay sharded); a user module doing that is refused loudly by FSDP2's
+    DTensor parameters, or must list its layers."""
+    segments: list[list[nn.Module]] = []
+    claimed: set[int] = set()
+    for m in module.modules():
+        if id(m) in claimed:
+            continue
+        layers = pipeline_layers_of(m)
+        if layers is not None:
+            segments += [[layer] for layer in layers.first]
+            segments.append(layers.blocks)
+            segments += [[layer] for layer in layers.last]
+        elif module_lists and type(m) in (nn.ModuleList, nn.ModuleDict) and m is not module:
+            entries = [c for c in m.children() if any(True for _ in c.parameters())]
+            if not entries:
+                continue
+            segments.append(entries)
+        else:
+            continue
+        claimed.update(id(sub) for sub in m.modules())
+    return [s for s in segments if s]

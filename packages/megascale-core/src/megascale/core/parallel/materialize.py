@@ -1,0 +1,147 @@
+"""Materialise a model built on the meta device, after it was split, with every tensor initialised.
+
+Building on the meta device allocates nothing, so no rank ever holds the whole model; the price is that no
+init code has run on real memory. After the split (tensor parallel shards, pipeline stages), this gives every
+meta tensor real memory and values, by the module's own init, in this order:
+
+1. a module with an ``init_weights()`` method (a megascale GPT, or a user's model or LightningModule)
+   initialises its whole subtree; the outermost such module wins, nothing inside it is touched again;
+2. every other module holding meta parameters or buffers of its own runs ``reset_parameters()`` (what
+   ``torch.nn`` layers define), under a random seed derived from ``seed`` and the module's name;
+3. a module that has neither is an error naming it, raised before anything is allocated (its values would be
+   whatever memory ``to_empty`` returned).
+
+Step 2 is layout independent: each module draws from its own seeded generator, and a module whose
+parameters are split (DTensors) is reset on whole-size temporaries, of which each rank keeps its shard; so a
+tensor-parallel shard, a pipeline stage or one process get the same values for the same seed, one layer's
+full size at a time. ``init_weights`` is the model's own business (a GPT's is layout independent too).
+
+Tensors outside the meta device are left as they are, and weights tied before (one Parameter in two modules)
+are tied again afterwards (``to_empty`` would otherwise give each module its own copy).
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from megascale.core._dtensor import is_dtensor, local
+
+__all__ = ["has_meta_tensors", "materialize", "uninitialisable"]
+
+
+def has_meta_tensors(module: nn.Module, recurse: bool = True) -> bool:
+    """Whether any parameter or buffer of ``module`` (or of its subtree) is on the meta device."""
+    tensors = [*module.parameters(recurse=recurse), *module.buffers(recurse=recurse)]
+    return any(t.is_meta for t in tensors)
+
+
+def _plan(module: nn.Module) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, nn.Module]], list[str]]:
+    """(owners with init_weights, modules to reset, modules that cannot be initialised), by qualified name."""
+    owners: list[tuple[str, nn.Module]] = []
+    resets: list[tuple[str, nn.Module]] = []
+    missing: list[str] = []
+    owned: set[int] = set()
+    for name, m in module.named_modules():
+        if id(m) in owned:
+            continue
+        if callable(getattr(m, "init_weights", None)) and has_meta_tensors(m):
+            owners.append((name, m))
+            owned.update(id(sub) for sub in m.modules())
+            continue
+        if not has_meta_tensors(m, recurse=False):
+            continue
+        if callable(getattr(m, "reset_parameters", None)):
+            resets.append((name, m))
+        else:
+            tensors = [n for n, _ in m.named_parameters(recurse=False)] + [
+                n for n, _ in m.named_buffers(recurse=False)
+            ]
+            missing.append(f"{name or '<root>'} ({type(m).__name__}: {', '.join(tensors)})")
+    return owners, resets, missing
+
+
+def uninitialisable(module: nn.Module) -> list[str]:
+    """Modules (qualified name, class, tensors) whose meta tensors nothing would initialise."""
+    return _plan(module)[2]
+
+
+@contextmanager
+def _seeded(seed: int, device: torch.device) -> Iterator[None]:
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        if device.type == "cuda":
+            torch.cuda.manual_seed(seed)
+        yield
+
+
+def _reset_layout_independent(module: nn.Module, device: torch.device) -> None:
+    """``module.reset_parameters()`` with split parameters swapped for whole-size temporaries, each rank then
+    keeping its shard of the result."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    split = {n: p for n, p in module.named_parameters(recurse=False) if is_dtensor(p)}
+    if not split:
+        module.reset_parameters()  # type: ignore[operator]
+        return
+    params = module._parameters
+    for n, p in split.items():
+        params[n] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), p.requires_grad)
+    try:
+        module.reset_parameters()  # type: ignore[operator]
+    finally:
+        for n, p in split.items():
+            whole = params[n]
+            params[n] = p
+            assert whole is not None
+            dt: DTensor = p  # type: ignore[assignment]
+            # every rank holds the same whole tensor: each keeps its slice, no communication
+            shard = distribute_tensor(whole.detach(), dt.device_mesh, dt.placements, src_data_rank=None)
+            local(p).copy_(shard.to_local())
+
+
+@torch.no_grad()
+def materialize(module: nn.Module, device: torch.device | str, *, seed: int) -> list[str]:
+    """Give every meta tensor of ``module`` memory on ``device`` and its module's initial values (see the
+    module docstring); ``seed`` must be the same on every rank. Returns the qualified names of the modules
+    that ``reset_parameters()`` initialised. Raises ValueError, before allocating, naming every module
+    nothing would initialise."""
+    device = torch.device(device)
+    owners, resets, missing = _plan(module)
+    if missing:
+        raise ValueError(
+            "meta-device init (meta_init=True) cannot initialise these modules: they hold parameters or buffers "
+            "but have no reset_parameters(), and no init_weights() of a module above them covers them: "
+            f"{'; '.join(missing)}. Give each a reset_parameters(), give the model (or the LightningModule) an "
+            "init_weights() that initialises its subtree, or build the model on a real device (meta_init=False)."
+        )
+    if not owners and not resets:
+        return []
+    sites: dict[int, list[tuple[nn.Module, str]]] = {}
+    for m in module.modules():
+        for n, p in m._parameters.items():
+            if p is not None and p.is_meta:
+                sites.setdefault(id(p), []).append((m, n))
+    for m in module.modules():
+        if has_meta_tensors(m, recurse=False):
+            m.to_empty(device=device, recurse=False)
+    for tied in (s for s in sites.values() if len(s) > 1):
+        first_module, first_name = tied[0]
+        for m, n in tied[1:]:
+            m._parameters[n] = first_module._parameters[first_name]
+    for name, owner in owners:
+        with _seeded(_seed_of(seed, name), device):
+            owner.init_weights()  # type: ignore[operator]
+    for name, m in resets:
+        with _seeded(_seed_of(seed, name), device):
+            _reset_layout_independent(m, device)
+    return [name for name, _ in resets]
+
+
+def _seed_of(seed: int, name: str) -> int:
+    return (seed + zlib.crc32(name.encode())) % 2**63

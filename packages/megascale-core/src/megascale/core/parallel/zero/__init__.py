@@ -1,0 +1,288 @@
+"""ZeRO: sharding the training state over the data-parallel replicas, stages 0–3 behind one interface.
+
+Rajbhandari et al. 2020 ("ZeRO: Memory Optimizations Toward Training Trillion Parameter Models"). Data
+parallelism keeps a full copy of parameters, gradients and optimizer state (for Adam or LAMB two more tensors
+per parameter, the largest part) on every rank; ZeRO shards them over the dp ranks in stages:
+
+    stage 0  nothing sharded: gradients all-reduced in buckets during backward  (``grad_reduce.py``; unlike
+             DDP it takes tensor-parallel DTensor parameters)
+    stage 1  + optimizer state: each rank steps the parameters it owns and sends the new values
+             (``optimizer_state.py``)
+    stage 2  + gradients (reduce-scatter per unit during backward)               (``fsdp.py``, FSDP2)
+    stage 3  + parameters (gathered per unit, just in time, prefetched)          (``fsdp.py``, FSDP2)
+
+Every stage is a ``ZeroRuntime`` with the same hooks, which a training loop calls in this order::
+
+    with zero.no_sync(): loss.backward()      # micro-batches of a gradient accumulation but the last
+    loss.backward(); zero.after_backward()     # gradients averaged over dp (or reduce-scattered)
+    clip_grad_norm_(...)                       # megascale.core.parallel.clip_grad_norm_: every tensor once
+    zero.before_optimizer_step(optimizer)      # stage 1: drop the gradients other ranks step
+    optimizer.step(); zero.after_optimizer_step(optimizer)   # stage 1: owners send; stage 3: prefetch
+    zero.wait_for_params()                     # before reading parameters outside a forward
+
+``apply_zero`` chooses and sets one up. What it shards is given as ``UnitTree``s: a root module whose forward
+runs around everything (the LightningModule, whose training_step runs inside its forward; or each pipeline
+stage) and its layers in forward order. Every parameter under a root is covered, in a unit or by the root.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.optim import Optimizer
+
+from megascale.core.parallel.zero.grad_reduce import BucketedGradReduce
+from megascale.core.parallel.zero.optimizer_state import OptimizerStateSharding
+
+__all__ = [
+    "BucketedGradReduce",
+    "OptimizerStateSharding",
+    "UnitTree",
+    "ZeroRuntime",
+    "apply_zero",
+]
+
+
+@dataclass
+class UnitTree:
+    """A root module and its layers in forward order, as segments: runs of consecutive layers that may be
+    grouped into one unit (a GPT's blocks), apart from those that must not (its embedding, its head)."""
+
+    root: nn.Module
+    segments: list[list[nn.Module]] = field(default_factory=list)
+    cast_inputs: bool = True  # stages 2/3 under mixed precision: the root casts float inputs to param_dtype
+
+    def layers(self) -> list[nn.Module]:
+        return [layer for segment in self.segments for layer in segment]
+
+
+class ZeroRuntime:
+    """The hooks of one ZeRO stage. This base class is what runs when there is nothing to shard (dp = 1, or a
+    module that sharded itself): every hook does nothing."""
+
+    stage: int | None = None
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward inside accumulates gradients locally; the next backward outside reduces the sums."""
+        yield
+
+    def after_backward(self) -> None:
+        """After the (last) backward of a step: gradients reduced over dp."""
+
+    def attach_optimizers(self, optimizers: Sequence[Optimizer]) -> None:
+        """Called once the optimizers exist (stage 1 decides who steps what)."""
+
+    def before_optimizer_step(self, optimizer: Optimizer) -> None:
+        """After clipping, before ``optimizer.step()``."""
+
+    def after_optimizer_step(self, optimizer: Optimizer) -> None:
+        """After ``optimizer.step()``."""
+
+    def wait_for_params(self) -> None:
+        """Until every parameter holds this step's values (call before reading them outside a forward)."""
+
+    def prepare_optimizer_state(self, optimizer: Optimizer) -> None:
+        """Before reading or loading ``optimizer``'s state dict (stage 1 creates the state it owns)."""
+
+    def holds_all_optimizer_states(self, optimizer: Optimizer) -> bool:
+        """False where this rank keeps only its own share of ``optimizer``'s states (stage 1)."""
+        return True
+
+    def replica_group(self) -> dist.ProcessGroup | None:
+        """The ranks holding exactly this rank's parameters and optimizer state (stage 0), else None."""
+        return None
+
+    def remove(self) -> None:
+        """Unregister hooks (waits for parameters in flight first)."""
+
+
+class _ReplicatedGradients(ZeroRuntime):
+    """Stage 0: every rank holds everything; gradients all-reduced in buckets, overlapped with backward."""
+
+    stage = 0
+
+    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup, *, bucket_size_mb: float,
+                 overlap: bool, accumulations: int) -> None:  # fmt: skip
+        self.group = group
+        self.reduce = BucketedGradReduce(
+            params, group, bucket_size_mb=bucket_size_mb, overlap=overlap, accumulations=accumulations
+        )
+        self._sync = True
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        self._sync = False
+        try:
+            with self.reduce.no_sync():
+                yield
+        finally:
+            self._sync = True
+
+    def after_backward(self) -> None:
+        if self._sync:
+            self.reduce.finish()
+
+    def replica_group(self) -> dist.ProcessGroup | None:
+        return self.group
+
+    def remove(self) -> None:
+        self.reduce.remove()
+
+
+class _ShardedOptimizerState(_ReplicatedGradients):
+    """Stage 1: stage 0's gradients; each parameter stepped by its owner, whose new values the next forward
+    waits for unit by unit (``overlap_param_gather``)."""
+
+    stage = 1
+
+    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup, *, root: nn.Module,
+                 units: list[nn.Module], bucket_size_mb: float, overlap_grad_reduce: bool,
+                 overlap_param_gather: bool, accumulations: int) -> None:  # fmt: skip
+        super().__init__(params, group, bucket_size_mb=bucket_size_mb, overlap=overlap_grad_reduce,
+                         accumulations=accumulations)  # fmt: skip
+        self.root, self.units = root, units
+        self.overlap_param_gather, self.bucket_size_mb = overlap_param_gather, bucket_size_mb
+        self.sharding: dict[int, OptimizerStateSharding] = {}
+
+    def attach_optimizers(self, optimizers: Sequence[Optimizer]) -> None:
+        self.remove_sharding()
+        self.sharding = {
+            id(opt): OptimizerStateSharding(
+                opt,
+                self.root,
+                self.group,
+                overlap_param_gather=self.overlap_param_gather,
+                bucket_size_mb=self.bucket_size_mb,
+                units=self.units,
+            )
+            for opt in optimizers
+        }
+
+    def _of(self, optimizer: Optimizer) -> OptimizerStateSharding | None:
+        # Lightning may hand over its wrapper (LightningOptimizer) of the optimizer
+        return self.sharding.get(id(getattr(optimizer, "_optimizer", optimizer)))
+
+    def before_optimizer_step(self, optimizer: Optimizer) -> None:
+        sharding = self._of(optimizer)
+        if sharding is not None:
+            sharding.drop_unowned_grads()
+
+    def after_optimizer_step(self, optimizer: Optimizer) -> None:
+        sharding = self._of(optimizer)
+        if sharding is not None:
+            sharding.broadcast_updated()
+
+    def wait_for_params(self) -> None:
+        for sharding in self.sharding.values():
+            sharding.wait()
+
+    def prepare_optimizer_state(self, optimizer: Optimizer) -> None:
+        sharding = self._of(optimizer)
+        if sharding is not None:
+            sharding.init_owned_state()
+
+    def holds_all_optimizer_states(self, optimizer: Optimizer) -> bool:
+        return self._of(optimizer) is None
+
+    def replica_group(self) -> dist.ProcessGroup | None:
+        return None
+
+    def remove_sharding(self) -> None:
+        for sharding in self.sharding.values():
+            sharding.wait()
+            sharding.remove()
+        self.sharding = {}
+
+    def remove(self) -> None:
+        self.remove_sharding()
+        super().remove()
+
+
+class _FullySharded(ZeroRuntime):
+    """Stages 2 and 3 on FSDP2: one FSDP root per tree, a unit per group of layers."""
+
+    def __init__(self, stage: int, units: list) -> None:  # list[FSDPUnits]
+        self.stage = stage
+        self.units = units
+
+    def after_optimizer_step(self, optimizer: Optimizer) -> None:
+        if self.stage == 3:
+            for units in self.units:
+                units.prefetch_first_unit()
+
+
+def apply_zero(
+    trees: Sequence[UnitTree],
+    dp_mesh: DeviceMesh,
+    *,
+    stage: int,
+    bucket_size_mb: float = 25.0,
+    overlap_grad_reduce: bool = True,
+    overlap_param_gather: bool = True,
+    param_dtype: torch.dtype | None = None,
+    accumulations: int = 1,
+    zero1_root: nn.Module | None = None,
+) -> ZeroRuntime:
+    """Shard the parameters under ``trees`` over ``dp_mesh`` as ZeRO ``stage`` and return its hooks.
+
+    Args:
+        trees: what to shard: each root with its layers (see ``UnitTree``).
+        stage: 0, 1, 2 or 3.
+        bucket_size_mb: gradient-reduction buckets (0/1), layers per unit (2/3).
+        overlap_grad_reduce: reduce during backward, per bucket/unit.
+        overlap_param_gather: stage 1: the next forward waits per unit; stages 2/3: prefetch.
+        param_dtype: stages 2/3: the dtype parameters are gathered in (bf16 under mixed precision).
+        accumulations: backward passes per synchronised step (one per pipeline microbatch).
+        zero1_root: stage 1: the module whose forward pre-hook waits for every parameter no unit does
+            (default: the first tree's root).
+    """
+    if dp_mesh.size() == 1:
+        return ZeroRuntime()
+    params = list(_unique_params(t.root for t in trees))
+    group = dp_mesh.get_group()
+    if stage == 0:
+        return _ReplicatedGradients(params, group, bucket_size_mb=bucket_size_mb, overlap=overlap_grad_reduce,
+                                    accumulations=accumulations)  # fmt: skip
+    if stage == 1:
+        units = [m for t in trees for m in (t.root, *t.layers())]
+        root = zero1_root if zero1_root is not None else trees[0].root
+        return _ShardedOptimizerState(
+            params, group, root=root, units=units, bucket_size_mb=bucket_size_mb,
+            overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather,
+            accumulations=accumulations,
+        )  # fmt: skip
+    if stage in (2, 3):
+        from megascale.core.parallel.zero.fsdp import apply_fsdp, group_layers
+
+        sharded = []
+        for tree in trees:
+            groups = [g for seg in tree.segments for g in group_layers(seg, bucket_size_mb)]
+            sharded.append(
+                apply_fsdp(
+                    tree.root,
+                    groups if overlap_grad_reduce else [],
+                    dp_mesh,
+                    stage=stage,
+                    param_dtype=param_dtype,
+                    prefetch=overlap_param_gather,
+                    cast_root_inputs=tree.cast_inputs,
+                )
+            )
+        return _FullySharded(stage, sharded)
+    raise ValueError(f"ZeRO stage {stage!r} must be 0, 1, 2 or 3")
+
+
+def _unique_params(roots: Iterator[nn.Module] | Sequence[nn.Module]) -> Iterator[nn.Parameter]:
+    seen: set[int] = set()
+    for root in roots:
+        for p in root.parameters():
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                yield p

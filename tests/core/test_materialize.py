@@ -1,0 +1,108 @@
+"""``materialize``: a meta-device model gets every tensor initialised, by its own init, the same in any layout.
+
+One process; the tensor-parallel and FSDP-sharded cases (whole-size temporaries cut into shards) run in
+tests/core/test_compose.py and tests/lightning/test_own_module.py against one process.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from megascale.core import GPT, GPTConfig
+from megascale.core.parallel import materialize
+from megascale.core.parallel.materialize import uninitialisable
+from tests.core._tiny import TINY_GQA_GPT
+
+
+class Gain(nn.Module):
+    """A layer of the user's own, with no reset_parameters()."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(width))
+
+
+class WithInit(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = Gain(4)
+        self.proj = nn.Linear(4, 4)
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        self.gain.gain.fill_(0.5)
+        self.proj.weight.fill_(2.0)
+        self.proj.bias.zero_()
+
+
+def _meta(build):
+    with torch.device("meta"):
+        return build()
+
+
+def test_a_module_nothing_initialises_is_refused_by_name_before_allocating():
+    model = _meta(lambda: nn.Sequential(nn.Linear(4, 4), Gain(4), nn.ModuleDict({"deep": Gain(2)})))
+    assert uninitialisable(model) == ["1 (Gain: gain)", "2.deep (Gain: gain)"]
+    with pytest.raises(ValueError, match=r"1 \(Gain: gain\); 2\.deep \(Gain: gain\)") as info:
+        materialize(model, "cpu", seed=0)
+    assert "init_weights()" in str(info.value) and "meta_init=False" in str(info.value)
+    assert all(p.is_meta for p in model.parameters())  # nothing allocated
+
+
+def test_init_weights_owns_its_subtree_and_reset_parameters_the_rest():
+    model = _meta(lambda: nn.ModuleDict({"owned": WithInit(), "plain": nn.Linear(4, 3)}))
+    reset = materialize(model, "cpu", seed=7)
+    assert reset == ["plain"]
+    assert torch.equal(model["owned"].gain.gain, torch.full((4,), 0.5))
+    assert torch.equal(model["owned"].proj.weight, torch.full((4, 4), 2.0))
+    assert not any(p.is_meta for p in model.parameters())
+    # torch's default init, drawn from a generator seeded by (seed, name): the same for the same seed
+    again = _meta(lambda: nn.ModuleDict({"owned": WithInit(), "plain": nn.Linear(4, 3)}))
+    materialize(again, "cpu", seed=7)
+    assert torch.equal(again["plain"].weight, model["plain"].weight)
+    other = _meta(lambda: nn.ModuleDict({"owned": WithInit(), "plain": nn.Linear(4, 3)}))
+    materialize(other, "cpu", seed=8)
+    assert not torch.equal(other["plain"].weight, model["plain"].weight)
+
+
+def test_values_do_not_depend_on_which_other_layers_a_rank_holds():
+    """A pipeline stage holding some layers gets the values the whole model gets for them."""
+
+    def build():
+        return nn.ModuleDict({str(i): nn.Linear(8, 8) for i in range(4)})
+
+    whole = _meta(build)
+    materialize(whole, "cpu", seed=3)
+    stage = _meta(build)
+    del stage["0"], stage["1"]
+    materialize(stage, "cpu", seed=3)
+    for key in ("2", "3"):
+        assert torch.equal(stage[key].weight, whole[key].weight)
+    assert not torch.equal(whole["0"].weight, whole["1"].weight)  # each layer its own draw
+
+
+def test_tied_weights_stay_tied_and_real_tensors_are_left_alone():
+    def build():
+        model = nn.ModuleDict({"embed": nn.Embedding(10, 4), "head": nn.Linear(4, 10, bias=False)})
+        model["head"].weight = model["embed"].weight
+        return model
+
+    model = _meta(build)
+    real = nn.Linear(4, 4)
+    model["extra"] = real
+    before = real.weight.detach().clone()
+    materialize(model, "cpu", seed=0)
+    assert model["head"].weight is model["embed"].weight
+    assert model["extra"] is real and torch.equal(real.weight, before)
+
+
+def test_a_gpt_initialises_itself_as_a_direct_build_does():
+    torch.manual_seed(0)
+    direct = GPT(GPTConfig(**TINY_GQA_GPT))
+    torch.manual_seed(0)
+    meta = _meta(lambda: GPT(GPTConfig(**TINY_GQA_GPT)))
+    assert materialize(meta, "cpu", seed=123) == []  # the GPT's own init_weights, not reset_parameters
+    for (name, a), b in zip(direct.state_dict().items(), meta.state_dict().values()):
+        assert torch.equal(a, b), name

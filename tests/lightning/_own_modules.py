@@ -1,0 +1,273 @@
+"""LightningModules a user would write, none of them megascale's GPTModule, for test_own_module.py.
+
+- ``OwnTransformerModule``: a small transformer written here (its own attention and MLP on ``nn.Linear``,
+  ``nn.LayerNorm``, ``nn.Embedding``) that joins every layout by what it declares: a ``tensor_parallel_plan``
+  and ``pipeline_layers()``/``pipeline_loss()``.
+- ``GPTWithValueHead``: megascale's GPT plus a value head (an ``nn.Linear`` outside the GPT), trained on the LM
+  loss plus a value loss: the parameters ZeRO must cover beyond the GPT.
+- ``CustomLayerModule``: a layer of the user's own with a parameter and no ``reset_parameters``;
+  ``CustomLayerWithInitModule`` initialises it in the LightningModule's ``init_weights()``.
+- ``ModelParallelStyleModule``: written for Lightning's ModelParallelStrategy: its ``configure_model`` splits
+  the model over ``self.device_mesh["tensor_parallel"]`` with DTensor's ``parallelize_module`` and shards it with
+  ``fully_shard`` over ``self.device_mesh["data_parallel"]``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import Callback, LightningModule
+from torch import nn
+
+from megascale.core import GPT, GPTConfig
+from megascale.core.model import PipelineLayers
+
+
+def _batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    return batch[0], batch[1]
+
+
+class _Trains(LightningModule):
+    """The training step and optimizer the modules share: AdamW, the loss logged synced."""
+
+    lr = 1e-3
+
+    def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self.loss(*_batch(batch))
+        self.log("train/loss", loss.detach(), on_step=True, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.1)
+
+
+# ---- a transformer of the user's own --------------------------------------------------------------------
+
+
+class Attention(nn.Module):
+    def __init__(self, width: int, heads: int, kv_heads: int) -> None:
+        super().__init__()
+        self.head_dim = width // heads
+        self.q = nn.Linear(width, width)
+        self.k = nn.Linear(width, kv_heads * self.head_dim)
+        self.v = nn.Linear(width, kv_heads * self.head_dim)
+        self.o = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        # -1 heads: under tensor parallelism q, k, v hold this rank's heads only
+        q = self.q(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
+        k = self.k(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        v = self.v(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.o(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, 4 * width)
+        self.down = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, width: int, heads: int, kv_heads: int) -> None:
+        super().__init__()
+        self.attn_norm = nn.LayerNorm(width)
+        self.attn = Attention(width, heads, kv_heads)
+        self.mlp_norm = nn.LayerNorm(width)
+        self.mlp = MLP(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Head(nn.Module):
+    def __init__(self, width: int, vocab: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.proj = nn.Linear(width, vocab, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.norm(x))
+
+
+class OwnTransformer(nn.Module):
+    # module-name patterns -> megascale tensor-parallel styles (megascale.core.parallel.tp_plan)
+    tensor_parallel_plan: ClassVar[dict[str, str] | None] = {
+        "embed": "rowwise",  # vocabulary rows split; output reduce-scattered to sequence shards under SP
+        "blocks.*.attn_norm": "sequence_parallel",
+        "blocks.*.mlp_norm": "sequence_parallel",
+        "blocks.*.attn.q": "colwise",
+        "blocks.*.attn.k": "colwise",
+        "blocks.*.attn.v": "colwise",
+        "blocks.*.attn.o": "rowwise",
+        "blocks.*.mlp.up": "colwise",
+        "blocks.*.mlp.down": "rowwise",
+        "head.norm": "sequence_parallel",
+        "head.proj": "colwise_rep",  # whole logits on every rank, for F.cross_entropy
+    }
+
+    def __init__(
+        self, vocab: int = 64, width: int = 32, layers: int = 4, heads: int = 4, kv_heads: int = 2
+    ) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList(Block(width, heads, kv_heads) for _ in range(layers))
+        self.head = Head(width, vocab)
+
+    def pipeline_layers(self) -> PipelineLayers:
+        return PipelineLayers(first=[self.embed], blocks=list(self.blocks), last=[self.head])
+
+    def pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(x)
+        return logits if targets is None else self.pipeline_loss(logits, targets)
+
+
+class OwnTransformerModule(_Trains):
+    def __init__(self, vocab: int = 64) -> None:
+        super().__init__()
+        self.vocab = vocab
+        self.model: OwnTransformer | None = None
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = OwnTransformer(self.vocab)
+
+    def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        assert self.model is not None
+        return self.model(inputs, targets)  # under pp: the whole pipeline step, backward included
+
+
+# ---- megascale's GPT with a value head ------------------------------------------------------------------
+
+
+class GPTWithValueHead(_Trains):
+    def __init__(self, config: dict[str, Any]) -> None:
+        super().__init__()
+        self.config = GPTConfig(**config)
+        self.gpt: GPT | None = None
+        self.value_head: nn.Linear | None = None
+
+    def configure_model(self) -> None:
+        if self.gpt is None:
+            self.gpt = GPT(self.config)
+            self.value_head = nn.Linear(self.config.padded_vocab_size, 1)
+
+    def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        assert self.gpt is not None and self.value_head is not None
+        logits = self.gpt(inputs)
+        vocab = self.config.vocab_size
+        lm = F.cross_entropy(logits[..., :vocab].flatten(0, 1), targets.flatten())
+        value = self.value_head(logits).squeeze(-1)
+        return lm + (value - targets.float() / vocab).pow(2).mean()
+
+
+# ---- a layer with no reset_parameters --------------------------------------------------------------------
+
+
+class Scale(nn.Module):
+    """A learned per-feature gain: the user's own layer, with no reset_parameters()."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gain
+
+
+class CustomLayerModule(_Trains):
+    def __init__(self, vocab: int = 64, width: int = 32) -> None:
+        super().__init__()
+        self.vocab, self.width = vocab, width
+        self.model: nn.Sequential | None = None
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = nn.Sequential(nn.Embedding(self.vocab, self.width), Scale(self.width),
+                                       nn.Linear(self.width, self.vocab))  # fmt: skip
+
+    def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        assert self.model is not None
+        return F.cross_entropy(self.model(inputs).flatten(0, 1), targets.flatten())
+
+
+class CustomLayerWithInitModule(CustomLayerModule):
+    """The same, initialised by the LightningModule's own init_weights()."""
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        assert self.model is not None
+        nn.init.normal_(self.model[0].weight, std=0.02)
+        self.model[1].gain.fill_(0.5)
+        nn.init.normal_(self.model[2].weight, std=0.02)
+        nn.init.zeros_(self.model[2].bias)
+
+
+# ---- a module written for Lightning's ModelParallelStrategy ---------------------------------------------
+
+
+class PlainTransformer(OwnTransformer):
+    """The same transformer, declaring no tensor-parallel plan (its module splits it itself)."""
+
+    tensor_parallel_plan = None
+
+
+class ModelParallelStyleModule(_Trains):
+    def __init__(self, vocab: int = 64) -> None:
+        super().__init__()
+        self.vocab = vocab
+        self.model: PlainTransformer | None = None
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        if self.model is not None:
+            return
+        self.model = PlainTransformer(self.vocab)
+        tp, dp = self.device_mesh["tensor_parallel"], self.device_mesh["data_parallel"]
+        if tp.size() > 1:
+            for block in self.model.blocks:
+                parallelize_module(block, tp, {"mlp.up": ColwiseParallel(), "mlp.down": RowwiseParallel()})
+        for block in self.model.blocks:
+            fully_shard(block, mesh=dp)
+        fully_shard(self.model, mesh=dp)
+
+    def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        assert self.model is not None
+        return self.model(inputs, targets)
+
+
+class WeightProbe(Callback):
+    """What an EMA of the weights would read after each optimizer step: a checksum of every parameter."""
+
+    def __init__(self) -> None:
+        self.sums: list[float] = []
+
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        total = torch.zeros((), dtype=torch.float64)
+        for p in pl_module.parameters():
+            whole = (
+                p.full_tensor() if hasattr(p, "full_tensor") else p
+            )  # a collective on every rank, in order
+            total += whole.detach().double().sum()
+        self.sums.append(float(total))
