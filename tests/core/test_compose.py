@@ -294,3 +294,49 @@ def test_what_a_layout_cannot_do_is_refused_naming_it() -> None:
     for case, (_, message) in CASES.items():
         for rank, result in enumerate(results):
             assert message in result[case], f"{case} (rank {rank}): {result[case]}"
+
+
+# ---- meta-device init: every layout starts from one process's values -------------------------------------
+
+
+class InitOwner(nn.Module):
+    """A model with an init_weights() of its own that draws random values into every parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(8, 16)
+        self.down = nn.Linear(16, 8)
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        for p in self.parameters():
+            nn.init.normal_(p)
+
+
+def _init_worker(rank: int, world: int) -> dict[str, torch.Tensor]:
+    import warnings
+
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    plan = ParallelPlan(tp=2)
+    mesh = plan.dims(world).build_mesh("cpu")
+    with torch.device("meta"):
+        model = InitOwner()
+    parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        parallelize(model, plan, mesh, device="cpu")
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for n, p in model.named_parameters()}
+
+
+def test_a_models_own_init_weights_draws_one_processs_values_into_tensor_parallel_shards() -> None:
+    """init_weights() sees whole tensors (each rank then keeps its shard), so tp shards are not drawn alike
+    on every rank (as a per-rank random draw into DTensor shards on CPU would be), and equal one process."""
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        reference = InitOwner()
+    materialize(reference, "cpu", seed=torch.initial_seed())
+    for result in run_distributed(_init_worker, 2):
+        for name, p in reference.named_parameters():
+            assert torch.equal(result[name], p.detach()), name

@@ -98,3 +98,16 @@ def test_own_transformer_trains_like_one_process_under_every_layout(tmp_path):
         jobs = [own_job(name, "OwnTransformerModule", kw, dp) for name, (kw, dp) in layouts.items()]
         for name, result in fit(jobs, world, tmp_path / f"world{world}").items():
             _compare(result, reference, name)
+
+
+def test_the_own_model_example_trains_its_transformer_under_tp2_pp2():
+    """examples/own_model.py as documented: Lightning launches 4 CPU processes itself; the loss falls."""
+    import subprocess
+    import sys
+
+    from tests.lightning._launch import ROOT, clean_env
+
+    command = [sys.executable, "examples/own_model.py", "--steps", "16"]
+    result = subprocess.run(command, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "layout dp1 × pp2 × tp2, ZeRO-1: loss" in result.stdout

@@ -74,6 +74,7 @@ class GPT(nn.Module):
     model was split (tensor parallel, pipeline stages, FSDP).
     """
 
+    init_weights_handles_shards = True  # init_weights fills tensor-parallel shards itself, layout independent
     embed: TokenEmbedding | None  # None on pipeline ranks that hold no first stage
     head: LMHead | None  # None on pipeline ranks that hold no last stage
     sequence_multiple: int = 1  # sequence lengths must be multiples of this (sequence parallelism sets tp)

@@ -5,7 +5,10 @@ init code has run on real memory. After the split (tensor parallel shards, pipel
 meta tensor real memory and values, by the module's own init, in this order:
 
 1. a module with an ``init_weights()`` method (a megascale GPT, or a user's model or LightningModule)
-   initialises its whole subtree; the outermost such module wins, nothing inside it is touched again;
+   initialises its whole subtree; the outermost such module wins, nothing inside it is touched again. It sees
+   its split parameters (DTensors) as whole-size plain tensors, of which each rank then keeps its shard, so
+   its code runs as on one process (random draws included; peak memory: its split parameters at full size),
+   unless it says it handles shards itself (``init_weights_handles_shards = True``, as a GPT does);
 2. every other module holding meta parameters or buffers of its own runs ``reset_parameters()`` (what
    ``torch.nn`` layers define), under a random seed derived from ``seed`` and the module's name;
 3. a module that has neither is an error naming it, raised before anything is allocated (its values would be
@@ -80,28 +83,32 @@ def _seeded(seed: int, device: torch.device) -> Iterator[None]:
         yield
 
 
-def _reset_layout_independent(module: nn.Module, device: torch.device) -> None:
-    """``module.reset_parameters()`` with split parameters swapped for whole-size temporaries, each rank then
-    keeping its shard of the result."""
+@contextmanager
+def _whole(modules: list[nn.Module], device: torch.device) -> Iterator[None]:
+    """Within: the split parameters (DTensors) of ``modules`` are whole-size plain tensors (a parameter shared
+    by several stays shared); after: each rank keeps its shard of their values."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    split = {n: p for n, p in module.named_parameters(recurse=False) if is_dtensor(p)}
-    if not split:
-        module.reset_parameters()  # type: ignore[operator]
-        return
-    params = module._parameters
-    for n, p in split.items():
-        params[n] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), p.requires_grad)
+    sites = [(m, n, p) for m in modules for n, p in m._parameters.items() if p is not None and is_dtensor(p)]
+    whole: dict[int, nn.Parameter] = {}
+    for m, n, p in sites:
+        if id(p) not in whole:
+            whole[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), p.requires_grad)
+        m._parameters[n] = whole[id(p)]
     try:
-        module.reset_parameters()  # type: ignore[operator]
+        yield
     finally:
-        for n, p in split.items():
-            whole = params[n]
-            params[n] = p
-            assert whole is not None
+        done: set[int] = set()
+        for m, n, p in sites:
+            m._parameters[n] = p
+            if id(p) in done:
+                continue
+            done.add(id(p))
             dt: DTensor = p  # type: ignore[assignment]
             # every rank holds the same whole tensor: each keeps its slice, no communication
-            shard = distribute_tensor(whole.detach(), dt.device_mesh, dt.placements, src_data_rank=None)
+            shard = distribute_tensor(
+                whole[id(p)].detach(), dt.device_mesh, dt.placements, src_data_rank=None
+            )
             local(p).copy_(shard.to_local())
 
 
@@ -135,11 +142,12 @@ def materialize(module: nn.Module, device: torch.device | str, *, seed: int) -> 
         for m, n in tied[1:]:
             m._parameters[n] = first_module._parameters[first_name]
     for name, owner in owners:
-        with _seeded(_seed_of(seed, name), device):
+        whole = [] if getattr(owner, "init_weights_handles_shards", False) else list(owner.modules())
+        with _seeded(_seed_of(seed, name), device), _whole(whole, device):
             owner.init_weights()  # type: ignore[operator]
     for name, m in resets:
-        with _seeded(_seed_of(seed, name), device):
-            _reset_layout_independent(m, device)
+        with _seeded(_seed_of(seed, name), device), _whole([m], device):
+            m.reset_parameters()  # type: ignore[operator]
     return [name for name, _ in resets]
 
 

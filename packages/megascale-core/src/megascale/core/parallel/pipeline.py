@@ -274,7 +274,9 @@ def _pipelined_class(cls: type) -> type:
     if issubclass(cls, _RunsPipeline):
         return cls
     if cls not in _PIPELINED:
-        _PIPELINED[cls] = type(f"Pipelined{cls.__name__}", (_RunsPipeline, cls), {"__module__": cls.__module__})
+        _PIPELINED[cls] = type(
+            f"Pipelined{cls.__name__}", (_RunsPipeline, cls), {"__module__": cls.__module__}
+        )
     return _PIPELINED[cls]
 
 
