@@ -12,7 +12,12 @@ Reported per layout: median step time, tokens/s and the ratio to DDP, and the tr
 (parameters + gradients + optimizer state, local shards counted; on CUDA also peak allocated memory). ZeRO-1
 should hold ~1/dp of DDP's optimizer state.
 
+With ``--model own`` the same layouts train a model of the user's own instead of megascale's GPT: the
+Llama-style transformer of examples/own_model.py (plain torch layers; it declares its blocks, so ZeRO-2/3 shard
+it per block). The "units" column counts the FSDP units a rank holds.
+
     python benchmarks/strategy.py                     # CPU-sized GPT, ~2 minutes
+    python benchmarks/strategy.py --model own         # the user's own transformer
     python benchmarks/strategy.py --d-model 1024 --layers 12 --seq-len 1024 --batch 8   # on GPUs
 """
 
@@ -40,6 +45,17 @@ def _gpt_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 max_seq_len=args.seq_len, parallel_block=True)  # fmt: skip
 
 
+def _own_model_example() -> Any:
+    """examples/own_model.py as a module (examples/ is not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("own_model", ROOT / "examples" / "own_model.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _state_bytes(module: torch.nn.Module, optimizers: list[torch.optim.Optimizer]) -> dict[str, int]:
     from megascale.core._dtensor import local
 
@@ -62,7 +78,7 @@ def _worker(args: argparse.Namespace) -> None:
     """One rank: every layout in sequence; rank 0 writes the measurements."""
     from lightning.pytorch import Callback, Trainer, seed_everything
     from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import FSDPModule, fully_shard
 
     from megascale.core import GPTConfig
     from megascale.lightning import GPTModule, MegaScaleStrategy, TokenDataModule
@@ -77,7 +93,31 @@ def _worker(args: argparse.Namespace) -> None:
                 fully_shard(block, mesh=mesh)
             fully_shard(self.gpt, mesh=mesh)
 
+    own_model = _own_model_example()
+
+    class FSDPOwnModule(own_model.OwnModelModule):  # type: ignore[name-defined,misc]
+        """The user's own model for ModelParallelStrategy, by the same recipe."""
+
+        def configure_model(self) -> None:
+            super().configure_model()
+            mesh = self.device_mesh["data_parallel"]
+            for layer in self.model.layers:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(self.model, mesh=mesh)
+
+    def make_module(fsdp: bool) -> Any:
+        if args.model == "own":
+            sizes = dict(
+                vocab=8192, dim=args.d_model, layers=args.layers, heads=args.heads, kv_heads=args.heads
+            )
+            return (FSDPOwnModule if fsdp else own_model.OwnModelModule)(lr=1e-4, **sizes)
+        return (FSDPGPTModule if fsdp else GPTModule)(
+            GPTConfig(**_gpt_kwargs(args)), optimizer="adamw", lr=1e-4, warmup_steps=1
+        )
+
     class Measure(Callback):
+        reads_weights_between_steps = False  # times and sizes only: ZeRO-1 keeps gathering during the forward
+
         def __init__(self) -> None:
             self.times: list[float] = []
             self.state: dict[str, int] = {}
@@ -89,6 +129,7 @@ def _worker(args: argparse.Namespace) -> None:
 
         def on_before_optimizer_step(self, trainer, pl_module, optimizer):
             self.state = _state_bytes(pl_module, trainer.optimizers)  # grads present, state of last step
+            self.state["units"] = sum(isinstance(m, FSDPModule) for m in pl_module.modules())
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             if torch.cuda.is_available():
@@ -114,8 +155,7 @@ def _worker(args: argparse.Namespace) -> None:
     results = {}
     for name, strategy in layouts.items():
         seed_everything(0)
-        cls = FSDPGPTModule if name.startswith("ModelParallel") else GPTModule
-        module = cls(GPTConfig(**_gpt_kwargs(args)), optimizer="adamw", lr=1e-4, warmup_steps=1)
+        module = make_module(fsdp=name.startswith("ModelParallel"))
         data = TokenDataModule(source="random:8192", seq_len=args.seq_len, batch_size=micro,
                                max_bytes=args.seq_len * args.batch * (args.steps + 2) * 2)  # fmt: skip
         measure = Measure()
@@ -159,6 +199,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument(
+        "--model",
+        choices=("gpt", "own"),
+        default="gpt",
+        help="megascale's GPT, or the user's own transformer of examples/own_model.py",
+    )
     parser.add_argument("--d-model", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=4)
@@ -182,15 +228,21 @@ def main() -> None:
     base = results["DDPStrategy"]
     compute = next(iter(alone.values()))["step_s"]
     device = "CUDA, bf16-mixed" if torch.cuda.is_available() else "CPU (gloo), fp32"
-    print(f"\nGPT {_gpt_kwargs(args)}; global batch {args.batch} × {args.seq_len} tokens at dp=2; {device}; "
+    model = (
+        f"GPT {_gpt_kwargs(args)}"
+        if args.model == "gpt"
+        else f"own transformer (examples/own_model.py) d={args.d_model}, {args.layers} layers, vocab 8192"
+    )
+    print(f"\n{model}; global batch {args.batch} × {args.seq_len} tokens at dp=2; {device}; "
           f"median of {args.steps - args.warmup} steps\n")  # fmt: skip
     print(
         f"{'layout':<34}{'ms/step':>9}{'tokens/s':>10}{'vs DDP':>8}{'params MB':>11}{'grads MB':>10}{'optim MB':>10}"
+        f"{'units':>7}"
     )
     for name, r in results.items():
         s = r["state"]
         print(f"{name:<34}{r['step_s'] * 1e3:>9.1f}{r['tokens_per_s']:>10.0f}{r['tokens_per_s'] / base['tokens_per_s']:>7.2f}x"
-              f"{s['params'] / 2**20:>11.2f}{s['grads'] / 2**20:>10.2f}{s['optimizer'] / 2**20:>10.2f}")  # fmt: skip
+              f"{s['params'] / 2**20:>11.2f}{s['grads'] / 2**20:>10.2f}{s['optimizer'] / 2**20:>10.2f}{s['units']:>7}")  # fmt: skip
     print(f"{'no communication (a rank alone)':<34}{compute * 1e3:>9.1f}")
     print()
     for stage in (1, 2, 3):

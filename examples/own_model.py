@@ -169,14 +169,16 @@ class Transformer(nn.Module):
 
 
 class OwnModelModule(LightningModule):
-    def __init__(self, lr: float = 3e-3) -> None:
+    def __init__(self, lr: float = 3e-3, vocab: int = 256, dim: int = 128, layers: int = 4, heads: int = 4,
+                 kv_heads: int = 2) -> None:  # fmt: skip
         super().__init__()
         self.lr = lr
+        self.sizes = dict(vocab=vocab, dim=dim, layers=layers, heads=heads, kv_heads=kv_heads)
         self.model: Transformer | None = None
 
     def configure_model(self) -> None:
         if self.model is None:  # under MegaScaleStrategy on the meta device: nothing allocated yet
-            self.model = Transformer()
+            self.model = Transformer(**self.sizes)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         assert self.model is not None

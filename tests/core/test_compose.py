@@ -24,9 +24,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from megascale.core import GPT, GPTConfig
-from megascale.core.model import PipelineLayers
 from megascale.core.parallel import ParallelPlan, clip_grad_norm_, materialize, parallelize
 from tests._dist import run_distributed
+from tests._models import Head, LayeredLM
 from tests.core._tiny import TINY_GQA_GPT
 
 WEIGHT_TOL = 1e-6
@@ -51,37 +51,11 @@ class Block(nn.Module):
         return x + self.down(F.gelu(self.up(self.norm(x))))
 
 
-class Head(nn.Module):
-    def __init__(self, width: int, vocab: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.proj = nn.Linear(width, vocab)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(self.norm(x))
-
-
-class TinyLM(nn.Module):
-    """Embedding, a ModuleList of blocks, a head: joins pipelines by listing its layers and its loss."""
+class TinyLM(LayeredLM):
+    """Embedding, a ModuleList of residual MLP blocks, a head: joins pipelines by listing its layers."""
 
     def __init__(self, vocab: int = 64, width: int = 32, layers: int = 4) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, width)
-        self.blocks = nn.ModuleList(Block(width) for _ in range(layers))
-        self.head = Head(width, vocab)
-
-    def pipeline_layers(self) -> PipelineLayers:
-        return PipelineLayers(first=[self.embed], blocks=list(self.blocks), last=[self.head])
-
-    def pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        x = self.embed(tokens)
-        for block in self.blocks:
-            x = block(x)
-        logits = self.head(x)
-        return logits if targets is None else self.pipeline_loss(logits, targets)
+        super().__init__(vocab, width, [Block(width) for _ in range(layers)], Head(width, vocab))
 
 
 def _build(kind: str) -> nn.Module:
@@ -327,7 +301,9 @@ def _init_worker(rank: int, world: int) -> dict[str, torch.Tensor]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         parallelize(model, plan, mesh, device="cpu")
-    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for n, p in model.named_parameters()}
+    return {
+        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for n, p in model.named_parameters()
+    }
 
 
 def test_a_models_own_init_weights_draws_one_processs_values_into_tensor_parallel_shards() -> None:

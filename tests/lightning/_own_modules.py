@@ -22,7 +22,7 @@ from lightning.pytorch import Callback, LightningModule
 from torch import nn
 
 from megascale.core import GPT, GPTConfig
-from megascale.core.model import PipelineLayers
+from tests._models import Head, LayeredLM
 
 
 def _batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,17 +91,7 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
-class Head(nn.Module):
-    def __init__(self, width: int, vocab: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.proj = nn.Linear(width, vocab, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(self.norm(x))
-
-
-class OwnTransformer(nn.Module):
+class OwnTransformer(LayeredLM):
     # module-name patterns -> megascale tensor-parallel styles (megascale.core.parallel.tp_plan)
     tensor_parallel_plan: ClassVar[dict[str, str] | None] = {
         "embed": "rowwise",  # vocabulary rows split; output reduce-scattered to sequence shards under SP
@@ -120,23 +110,8 @@ class OwnTransformer(nn.Module):
     def __init__(
         self, vocab: int = 64, width: int = 32, layers: int = 4, heads: int = 4, kv_heads: int = 2
     ) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, width)
-        self.blocks = nn.ModuleList(Block(width, heads, kv_heads) for _ in range(layers))
-        self.head = Head(width, vocab)
-
-    def pipeline_layers(self) -> PipelineLayers:
-        return PipelineLayers(first=[self.embed], blocks=list(self.blocks), last=[self.head])
-
-    def pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        x = self.embed(tokens)
-        for block in self.blocks:
-            x = block(x)
-        logits = self.head(x)
-        return logits if targets is None else self.pipeline_loss(logits, targets)
+        blocks = [Block(width, heads, kv_heads) for _ in range(layers)]
+        super().__init__(vocab, width, blocks, Head(width, vocab, bias=False))
 
 
 class OwnTransformerModule(_Trains):

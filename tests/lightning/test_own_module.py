@@ -81,6 +81,10 @@ OWN_WORLD2 = {
     "dp2/zero1": (dict(zero_stage=1), 2),
     "dp2/zero2": (dict(zero_stage=2), 2),
     "dp2/zero3 full AC": (dict(zero_stage=3, activation_checkpointing="full"), 2),
+    "dp2/zero1 AC of Attention": (
+        dict(zero_stage=1, activation_checkpointing="full", checkpoint_modules=["Attention"]),
+        2,
+    ),
 }
 OWN_WORLD4 = {
     "tp2×pp2": (dict(tp=2, pp=2), 1),
