@@ -69,11 +69,13 @@ class Attention(nn.Module):
         self.wo = nn.Linear(heads * self.head_dim, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x.shape
-        # -1 heads: under tensor parallelism this rank computes its share of the heads
-        q = rotate(self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2))  # (B, H, T, hd)
-        k = rotate(self.wk(x).view(B, T, -1, self.head_dim).transpose(1, 2))  # (B, KV, T, hd)
-        v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        # B, T from the projections: under sequence parallelism x holds this rank's T/tp positions only, the
+        # projections see them all; -1 heads: under tensor parallelism this rank computes its share of them
+        B, T = q.shape[:2]
+        q = rotate(q.view(B, T, -1, self.head_dim).transpose(1, 2))  # (B, H, T, hd)
+        k = rotate(k.view(B, T, -1, self.head_dim).transpose(1, 2))  # (B, KV, T, hd)
+        v = v.view(B, T, -1, self.head_dim).transpose(1, 2)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 

@@ -59,11 +59,13 @@ class Attention(nn.Module):
         self.o = nn.Linear(width, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x.shape
-        # -1 heads: under tensor parallelism q, k, v hold this rank's heads only
-        q = self.q(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
-        k = self.k(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-        v = self.v(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        # B, T from the projections (under sequence parallelism x holds this rank's T/tp positions only) and
+        # -1 heads (under tensor parallelism q, k, v hold this rank's heads only)
+        B, T = q.shape[:2]
+        q = q.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
+        k = k.view(B, T, -1, self.head_dim).transpose(1, 2)
+        v = v.view(B, T, -1, self.head_dim).transpose(1, 2)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         return self.o(y.transpose(1, 2).reshape(B, T, -1))
 

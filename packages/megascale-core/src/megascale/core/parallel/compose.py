@@ -240,9 +240,14 @@ def _apply_tensor_parallel(
     if any(getattr(m, "tensor_parallel_plan", None) is not None for m in module.modules()):
         from megascale.core.parallel.tp_plan import apply_tensor_parallel_plan, find_tensor_parallel_plans
 
-        for _, m, tp_plan in find_tensor_parallel_plans(module):
+        for name, m, tp_plan in find_tensor_parallel_plans(module):
             apply_tensor_parallel_plan(
-                m, tp_plan, tp_mesh, sequence_parallel=plan.sequence_parallel, overlap_chunks=chunks
+                m,
+                tp_plan,
+                tp_mesh,
+                sequence_parallel=plan.sequence_parallel,
+                overlap_chunks=chunks,
+                name=name,
             )
     if not any(is_dtensor(p) for p in module.parameters()):
         raise ValueError(

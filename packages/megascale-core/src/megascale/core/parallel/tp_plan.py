@@ -1,0 +1,434 @@
+"""Tensor parallelism for a model of the user's own, from a declarative plan of module-name patterns.
+
+A model (any ``nn.Module`` in the tree) declares ``tensor_parallel_plan``: a dict, or a method returning one,
+from module names relative to it (``fnmatch`` per name component: ``"layers.*.attn.q"``) to a style, in the
+spirit of Hugging Face's ``tp_plan`` and torchtitan's plans. Megascale's own sequence parallelism and chunked
+comm/GEMM overlap (``overlap.py``) then serve every column-then-row pair of ``nn.Linear`` layers, not only
+megascale's GPT. Activations are (B, T, ...); under sequence parallelism (SP) rank r holds positions
+[r·T/tp, (r+1)·T/tp).
+
+| style | on | parameters | forward |
+|---|---|---|---|
+| ``colwise`` | nn.Linear | weight, bias Shard(0) | input replicated, or (SP) this rank's sequence shard all-gathered in chunks overlapped with the GEMM; output: this rank's out-features |
+| ``rowwise`` | nn.Linear | weight Shard(1), bias replicated | input: this rank's in-features; partial outputs all-reduced, or (SP) reduce-scattered to sequence shards; bias added once |
+| ``rowwise`` | nn.Embedding | rows Shard(0) | vocabulary parallel: ids outside this rank's rows look up zeros; all-reduced, or (SP) reduce-scattered: enters the sequence region |
+| ``colwise_rep`` | nn.Linear | as colwise | colwise, then the output features gathered: every rank holds the whole output (an LM head feeding F.cross_entropy) |
+| ``sequence_parallel`` | any (norms) | plain, replicated | runs on sequence shards under SP, where each rank's gradient covers its tokens only: the gradients are summed over tp. Without SP nothing changes |
+| ``replicated_with_grad_allreduce`` | any (per-head q/k norms) | plain, replicated | inside the tensor-parallel region each rank sees its heads only: gradients summed over tp |
+| ``sequence_scatter`` | any | — | SP: its output split to this rank's sequence shard (backward: all-gathered): enters the sequence region |
+| ``sequence_gather`` | any | — | SP: its first input gathered along the sequence (backward: this rank's slice, for a replicated consumer such as a value head) |
+| a torch ``ParallelStyle`` | as torch says | DTensor | handed to ``parallelize_module`` as is (no megascale overlap or SP) |
+
+How: a module keeps its identity, its parameter names and ``isinstance``; its class is swapped for a subclass
+whose ``forward`` does the above (as FSDP2's ``fully_shard`` swaps classes). Split parameters become DTensors
+on the TP mesh (checkpoints reshard, FSDP2 composes, clipping counts them once); compute runs on the local
+shards. Summing replicated gradients over tp happens inside the autograd graph (the parameter is read through
+``copy_to_tp_region`` during the forward), so it composes with FSDP2 and activation checkpointing.
+
+The user's code between a ``colwise`` and a ``rowwise`` layer sees this rank's share of the features: it must
+reshape with -1 for the head count (``q.view(B, T, -1, head_dim)``), and grouped-query models need kv heads
+divisible by tp. Under SP the code between blocks sees (B, T/tp, D), including the input of a module holding
+``colwise`` layers (the gather happens inside them, overlapped): read B and T from a projection's output
+(``q = self.q(x); B, T = q.shape[:2]``), not from that input. A mistake there fails loudly (the row-parallel
+layer then receives the wrong number of features). A plan that cannot apply is refused by
+``check_tensor_parallel_plan`` before any collective; at run time an input that should be a sequence shard but
+is not (a path around the region's entry) is refused by the layer that would gather it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from fnmatch import fnmatchcase
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+
+from megascale.core._dtensor import is_dtensor, local
+from megascale.core.parallel.overlap import column_parallel_matmul, row_parallel_matmul
+from megascale.core.parallel.tensor_parallel import _Distributor
+from megascale.core.parallel.tp_comm import (
+    all_gather_seq,
+    copy_to_tp_region,
+    reduce_from_tp_region,
+    reduce_scatter_to_sp_region,
+)
+
+__all__ = [
+    "TP_STYLES",
+    "apply_tensor_parallel_plan",
+    "check_tensor_parallel_plan",
+    "find_tensor_parallel_plans",
+    "tensor_parallel_plan_of",
+]
+
+TP_STYLES = (
+    "colwise",
+    "rowwise",
+    "colwise_rep",
+    "sequence_parallel",
+    "replicated_with_grad_allreduce",
+    "sequence_scatter",
+    "sequence_gather",
+)
+_SPLIT = ("colwise", "rowwise", "colwise_rep")
+
+
+def tensor_parallel_plan_of(module: nn.Module) -> dict[str, Any] | None:
+    """The plan ``module`` declares (a dict attribute ``tensor_parallel_plan``, or a method of that name
+    returning one), or None."""
+    plan = getattr(module, "tensor_parallel_plan", None)
+    if callable(plan):
+        plan = plan()
+    if plan is None:
+        return None
+    if not isinstance(plan, Mapping):
+        raise TypeError(
+            f"{type(module).__name__}.tensor_parallel_plan is a {type(plan).__name__}: give a dict of "
+            "module-name patterns -> styles"
+        )
+    return dict(plan)
+
+
+def find_tensor_parallel_plans(root: nn.Module) -> list[tuple[str, nn.Module, dict[str, Any]]]:
+    """(qualified name, module, plan) of every module in ``root``'s tree declaring a plan, outermost first."""
+    found = []
+    for name, module in root.named_modules():
+        plan = tensor_parallel_plan_of(module)
+        if plan is not None:
+            found.append((name, module, plan))
+    return found
+
+
+# ---- checking -------------------------------------------------------------------------------------------
+
+
+def _matches(module: nn.Module, plan: Mapping[str, Any], where: str) -> dict[str, tuple[nn.Module, Any]]:
+    """{qualified name: (module, style)} for every plan entry; refuses unmatched and conflicting ones."""
+    out: dict[str, tuple[nn.Module, Any]] = {}
+    names = [(n, m) for n, m in module.named_modules() if n]
+    for pattern, style in plan.items():
+        parts = pattern.split(".")
+        hits = [
+            (n, m)
+            for n, m in names
+            if len(n.split(".")) == len(parts) and all(map(fnmatchcase, n.split("."), parts))
+        ]
+        if not hits:
+            raise ValueError(f"tensor_parallel_plan of {where}: pattern {pattern!r} matches no submodule")
+        for n, m in hits:
+            if n in out and out[n][1] != style:
+                raise ValueError(
+                    f"tensor_parallel_plan of {where}: {n} is matched by two patterns with different styles "
+                    f"({out[n][1]!r} and {style!r})"
+                )
+            out[n] = (m, style)
+    return out
+
+
+def _fits(size: int, tp: int, what: str, name: str, where: str) -> None:
+    if size % tp:
+        fitting = [t for t in range(1, size + 1) if size % t == 0 and t <= 64]
+        raise ValueError(
+            f"tensor_parallel_plan of {where}: {name} has {what}={size}, not divisible by tp={tp} "
+            f"(tp can be one of {fitting}; or change the layer's size)"
+        )
+
+
+def check_tensor_parallel_plan(
+    module: nn.Module, plan: Mapping[str, Any], tp: int, *, sequence_parallel: bool, name: str = ""
+) -> dict[str, tuple[nn.Module, Any]]:
+    """Check ``plan`` against ``module`` for ``tp`` ranks without any collective (meta-device modules too) and
+    return what each pattern matched. ValueError, naming the module and the pattern, for: a pattern matching
+    nothing, an unknown style, a style on a layer it cannot split, sizes not divisible by tp, sequence
+    parallelism without an entry into the sequence region, one module matched with two styles, or
+    parameters already split (the plan applied twice)."""
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    where = f"{name or '<root>'} ({type(module).__name__})"
+    matched = _matches(module, plan, where)
+    for n, (m, style) in matched.items():
+        if isinstance(style, ParallelStyle):
+            continue
+        if style not in TP_STYLES:
+            raise ValueError(
+                f"tensor_parallel_plan of {where}: {n}: unknown style {style!r}; one of {TP_STYLES}"
+            )
+        if any(is_dtensor(p) for p in m.parameters(recurse=False)):
+            raise ValueError(
+                f"tensor_parallel_plan of {where}: {n} already holds split (DTensor) parameters: a plan applies "
+                "once (is it also split by configure_model, or applied twice?)"
+            )
+        if style == "rowwise" and isinstance(m, nn.Embedding):
+            if m.max_norm is not None or m.sparse:
+                raise ValueError(f"tensor_parallel_plan of {where}: {n}: a vocabulary-parallel embedding "
+                                 "takes neither max_norm nor sparse gradients")  # fmt: skip
+            _fits(m.num_embeddings, tp, "num_embeddings", n, where)
+        elif style in _SPLIT:
+            if not isinstance(m, nn.Linear):
+                hint = " (an nn.Embedding splits by rows: 'rowwise')" if isinstance(m, nn.Embedding) else ""
+                raise ValueError(
+                    f"tensor_parallel_plan of {where}: {n} is a {type(m).__name__}; {style!r} splits an "
+                    f"nn.Linear{hint}"
+                )
+            if style == "rowwise":
+                _fits(m.in_features, tp, "in_features", n, where)
+            else:
+                _fits(m.out_features, tp, "out_features", n, where)
+    styles = {n: s for n, (m, s) in matched.items() if isinstance(s, str)}
+    enters = [n for n, s in styles.items()
+              if s == "sequence_scatter" or (s == "rowwise" and isinstance(matched[n][0], nn.Embedding))]  # fmt: skip
+    if sequence_parallel and tp > 1 and any(s in _SPLIT for s in styles.values()) and not enters:
+        raise ValueError(
+            f"tensor_parallel_plan of {where}: with sequence_parallel=True the activations between blocks are "
+            "sequence shards, but nothing in the plan splits the sequence: give the embedding 'rowwise' "
+            "(vocabulary parallel) or the module that produces the first hidden states 'sequence_scatter'; or "
+            "set sequence_parallel=False"
+        )
+    return matched
+
+
+# ---- the sequence region --------------------------------------------------------------------------------
+
+
+class _SequenceRegion:
+    """The full sequence length of the current forward, recorded where the sequence is split, checked where
+    it is gathered. None on ranks that hold no entry (later pipeline stages): nothing to check there."""
+
+    def __init__(self) -> None:
+        self.length: int | None = None
+
+    def enter(self, length: int) -> None:
+        self.length = length
+
+    def check(self, x: torch.Tensor, tp: int, name: str) -> None:
+        if x.dim() < 3:
+            raise ValueError(
+                f"{name}: under sequence parallelism inputs are (B, T/tp, ...), got {tuple(x.shape)}"
+            )
+        if self.length is not None and x.shape[1] * tp != self.length:
+            raise RuntimeError(
+                f"{name}: its input has {x.shape[1]} positions, which gathered over tp={tp} would make "
+                f"{x.shape[1] * tp}, but the sequence entering the sequence-parallel region has {self.length}: the "
+                "input did not come through the region (it is not a sequence shard). Route it through the "
+                "embedding or a 'sequence_scatter' module, or give its consumer 'sequence_gather'"
+            )
+
+
+# ---- autograd pieces ------------------------------------------------------------------------------------
+
+
+class _SplitToSP(torch.autograd.Function):
+    """forward: this rank's sequence shard of a replicated (B, T, ...); backward: all-gather on T."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        tp, rank = dist.get_world_size(group), dist.get_rank(group)
+        if x.shape[1] % tp:
+            raise ValueError(
+                f"sequence parallelism splits {x.shape[1]} positions over tp={tp}: not divisible"
+            )
+        ctx.group = group
+        n = x.shape[1] // tp
+        return x[:, rank * n : (rank + 1) * n].contiguous()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return all_gather_seq(grad, ctx.group), None
+
+
+class _GatherForReplicated(torch.autograd.Function):
+    """forward: all-gather on ``dim``; backward: this rank's slice. For a consumer that computes the same on
+    every rank (its gradient is then the same everywhere, and this rank's part is its slice), unlike
+    Megatron's gather whose backward sums partial gradients of a split consumer."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+        ctx.group, ctx.dim, ctx.size = group, dim, x.shape[dim]
+        if dim == 1:
+            return all_gather_seq(x, group)
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        start = dist.get_rank(ctx.group) * ctx.size
+        return grad.narrow(ctx.dim, start, ctx.size).contiguous(), None, None
+
+
+# ---- the styles: forwards swapped in ---------------------------------------------------------------------
+
+
+class _TPLayer:
+    """State every swapped layer keeps (the mesh, not the group: modules stay picklable)."""
+
+    _tp_mesh: DeviceMesh
+    _tp_sp: bool
+    _tp_chunks: int
+    _tp_region: _SequenceRegion
+    _tp_name: str
+
+    @property
+    def _tp_group(self) -> dist.ProcessGroup:
+        return self._tp_mesh.get_group()
+
+
+class _Colwise(_TPLayer):
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._tp_sp:
+            self._tp_region.check(x, self._tp_mesh.size(), self._tp_name)
+        (y,) = column_parallel_matmul(x, [local(self.weight)], [local(self.bias)], self._tp_group,
+                                      sequence_parallel=self._tp_sp, chunks=self._tp_chunks)  # fmt: skip
+        return y
+
+
+class _ColwiseRep(_Colwise):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _GatherForReplicated.apply(super().forward(x), self._tp_group, -1 % (x.dim()))
+
+
+class _Rowwise(_TPLayer):
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.dim() == 2
+        x = x.unsqueeze(0) if flat else x
+        y = row_parallel_matmul([x], [local(self.weight)], self._tp_group, sequence_parallel=self._tp_sp,
+                                chunks=self._tp_chunks)  # fmt: skip
+        bias = local(self.bias)
+        if bias is not None:
+            y = y + (copy_to_tp_region(bias, self._tp_group) if self._tp_sp else bias)
+        return y.squeeze(0) if flat else y
+
+
+class _VocabParallelEmbedding(_TPLayer):
+    weight: torch.Tensor
+    padding_idx: int | None
+    scale_grad_by_freq: bool
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        weight = local(self.weight)
+        start = self._tp_mesh.get_local_rank() * weight.shape[0]
+        ids = ids - start
+        outside = (ids < 0) | (ids >= weight.shape[0])
+        pad = None if self.padding_idx is None else self.padding_idx - start
+        pad = pad if pad is not None and 0 <= pad < weight.shape[0] else None
+        x = F.embedding(ids.masked_fill(outside, 0), weight, pad, scale_grad_by_freq=self.scale_grad_by_freq)
+        x = x.masked_fill(outside.unsqueeze(-1), 0.0)
+        if not self._tp_sp:
+            return reduce_from_tp_region(x, self._tp_group)
+        self._tp_region.enter(ids.shape[1])
+        return reduce_scatter_to_sp_region(x, self._tp_group)
+
+
+class _GradSumOverTP(_TPLayer):
+    """Reads its own parameters through copy_to_tp_region (identity forward, all-reduce backward)."""
+
+    _parameters: dict[str, Any]
+    _tp_sum_grads: bool
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if not self._tp_sum_grads:
+            return super().forward(*args, **kwargs)  # type: ignore[misc]
+        saved = dict(self._parameters)
+        for n, p in saved.items():
+            if p is not None:
+                self._parameters[n] = copy_to_tp_region(p, self._tp_group)
+        try:
+            return super().forward(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            self._parameters.update(saved)
+
+
+class _SequenceScatter(_TPLayer):
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        out = super().forward(*args, **kwargs)  # type: ignore[misc]
+        if not self._tp_sp:
+            return out
+        self._tp_region.enter(out.shape[1])
+        return _SplitToSP.apply(out, self._tp_group)
+
+
+class _SequenceGather(_TPLayer):
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if self._tp_sp:
+            self._tp_region.check(x, self._tp_mesh.size(), self._tp_name)
+            x = _GatherForReplicated.apply(x, self._tp_group, 1)
+        return super().forward(x, *args, **kwargs)  # type: ignore[misc]
+
+
+_SWAPPED: dict[tuple[type, type], type] = {}
+
+
+def _swap(module: nn.Module, mixin: type, **state: Any) -> None:
+    cls = type(module)
+    if (mixin, cls) not in _SWAPPED:
+        name = mixin.__name__.strip("_") + cls.__name__
+        _SWAPPED[mixin, cls] = type(name, (mixin, cls), {"__module__": cls.__module__})
+    module.__class__ = _SWAPPED[mixin, cls]
+    for key, value in state.items():
+        setattr(module, f"_tp_{key}", value)
+
+
+# ---- applying -------------------------------------------------------------------------------------------
+
+
+def apply_tensor_parallel_plan(
+    module: nn.Module,
+    plan: Mapping[str, Any],
+    tp_mesh: DeviceMesh,
+    *,
+    sequence_parallel: bool,
+    overlap_chunks: int = 1,
+    name: str = "",
+) -> nn.Module:
+    """Split ``module`` over the 1-D ``tp_mesh`` as ``plan`` says, in place (see the module docstring); checks
+    the plan first. Works on meta-device modules (compute happens after materialisation).
+
+    Args:
+        sequence_parallel: activations between blocks are sequence shards.
+        overlap_chunks: pieces each TP collective is split into, overlapped with the GEMMs (1: none).
+        name: the module's qualified name, for messages.
+    """
+    from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+
+    tp = tp_mesh.size()
+    matched = check_tensor_parallel_plan(module, plan, tp, sequence_parallel=sequence_parallel, name=name)
+    distribute = _Distributor(tp_mesh)
+    region = _SequenceRegion()
+    torch_styles: dict[str, Any] = {}
+    for n, (m, style) in matched.items():
+        if isinstance(style, ParallelStyle):
+            torch_styles[n] = style
+            continue
+        state = dict(mesh=tp_mesh, sp=sequence_parallel, chunks=overlap_chunks, region=region, name=n)
+        if style in ("colwise", "colwise_rep"):
+            distribute(m, "weight", [Shard(0)])
+            distribute(m, "bias", [Shard(0)])
+            _swap(m, _Colwise if style == "colwise" else _ColwiseRep, **state)
+        elif style == "rowwise" and isinstance(m, nn.Embedding):
+            distribute(m, "weight", [Shard(0)])
+            _swap(m, _VocabParallelEmbedding, **state)
+        elif style == "rowwise":
+            distribute(m, "weight", [Shard(1)])
+            distribute(m, "bias", [Replicate()])
+            _swap(m, _Rowwise, **state)
+        elif style in ("sequence_parallel", "replicated_with_grad_allreduce"):
+            # on sequence shards (SP) or inside the TP region, each rank's gradient is a part of the whole
+            _swap(m, _GradSumOverTP, **state, sum_grads=sequence_parallel or style != "sequence_parallel")
+        elif style == "sequence_scatter":
+            _swap(m, _SequenceScatter, **state)
+        else:
+            _swap(m, _SequenceGather, **state)
+    if torch_styles:
+        parallelize_module(module, tp_mesh, torch_styles)
+    return module
