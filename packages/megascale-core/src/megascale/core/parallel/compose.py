@@ -32,6 +32,7 @@ from __future__ import annotations
 import itertools
 import warnings
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -46,6 +47,9 @@ from megascale.core.parallel.materialize import has_meta_tensors, materialize
 from megascale.core.parallel.mesh import MESH_DIMS, ParallelDims
 from megascale.core.parallel.plan import ParallelPlan
 from megascale.core.parallel.zero import UnitTree, ZeroRuntime, apply_zero
+
+if TYPE_CHECKING:
+    from megascale.core.parallel.pipeline import Pipeline, StageModule  # torch pipelining: imported when used
 
 __all__ = ["CheckpointLayout", "ParallelRuntime", "parallelize"]
 
@@ -71,7 +75,7 @@ class ParallelRuntime:
     dims: ParallelDims
     mesh: DeviceMesh
     zero: ZeroRuntime
-    pipeline: object | None = None  # megascale.core.parallel.pipeline.Pipeline
+    pipeline: Pipeline | None = None
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -115,7 +119,7 @@ def parallelize(
 
     if dims.tp > 1:  # 1.
         notes += _apply_tensor_parallel(module, gpts, plan, mesh["tp"])
-    stages: list = []
+    stages: list[StageModule] = []
     pipelined: nn.Module | None = None
     if dims.pp > 1:  # 2.
         from megascale.core.parallel.pipeline import apply_pipeline
