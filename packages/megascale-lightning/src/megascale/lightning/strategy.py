@@ -342,9 +342,9 @@ class MegaScaleStrategy(ParallelStrategy):
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
-        """Gradient-accumulation micro-batches: ZeRO-0/1 accumulate locally and reduce once at the last
-        micro-batch; ZeRO-2/3 reduce-scatter every micro-batch (their gradients stay sharded)."""
-        with self.runtime.zero.no_sync():
+        """Gradient-accumulation micro-batches: every ZeRO stage (and pipeline steps) accumulates locally and
+        reduces once, during the last micro-batch's backward."""
+        with self.runtime.no_sync():
             yield
 
     @override

@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import itertools
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -83,6 +85,20 @@ class ParallelRuntime:
         """The group over which ranks hold different parameters (pipeline stages): a global gradient norm sums
         its parts over it. None without pipeline parallelism."""
         return self.mesh["pp"].get_group() if self.dims.pp > 1 else None
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Micro-batches of a gradient accumulation but the last: nothing is reduced over dp inside (ZeRO-0/1
+        accumulate locally, ZeRO-2/3 unsharded; pipeline steps included); the step's last backward, outside,
+        reduces the sums once."""
+        if self.pipeline is not None:
+            self.pipeline.sync_gradients = False
+        try:
+            with self.zero.no_sync():
+                yield
+        finally:
+            if self.pipeline is not None:
+                self.pipeline.sync_gradients = True
 
     def checkpoint_layout(self) -> CheckpointLayout:
         partial = self.dims.pp > 1 or (self.zero.stage == 1)

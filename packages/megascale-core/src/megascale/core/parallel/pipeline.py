@@ -32,12 +32,14 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import (
     PipelineStage,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
     ScheduleLoopedBFS,
 )
+from torch.distributed.pipelining._backward import stage_backward
 
 from megascale.core.model.layers import PipelineLayers, pipeline_layers_of
 from megascale.core.parallel.plan import SCHEDULES, ParallelPlan, split_blocks
@@ -163,6 +165,9 @@ class Pipeline:
         self.has_first, self.has_last = 0 in stage_ids, num_stages - 1 in stage_ids
         self.last_rank = dist.get_global_rank(group, (num_stages - 1) % dist.get_world_size(group))
         self.device = device
+        #: False inside ``ParallelRuntime.no_sync`` (gradient accumulation over steps): the stages reduce no
+        #: ZeRO-2/3 gradients (ZeRO-0/1 follow their own no_sync).
+        self.sync_gradients = True
         # The schedule's backward runs on loss × loss_scale / num_microbatches. loss_scale: 1/steps under
         # gradient accumulation, as a trainer divides its loss. The 1/num_microbatches is ours, not torch's
         # scale_grads, which divides the whole .grad after the step — gradients accumulated by earlier
@@ -177,10 +182,11 @@ class Pipeline:
     def _schedule(self, purpose: Literal["train", "eval", "logits"], shape: tuple[int, ...]) -> Any:
         key = (purpose, shape)
         if key not in self._schedules:
-            stages: list[Any] = [
-                PipelineStage(m, s, self.num_stages, self.device, group=self.group)
-                for m, s in zip(self.stage_modules, self.stage_ids)
-            ]
+            stages: list[Any] = []
+            for m, s in zip(self.stage_modules, self.stage_ids):
+                stage = _LeanStage(m, s, self.num_stages, self.device, group=self.group)
+                stage.pipeline = self
+                stages.append(stage)
             kwargs: dict[str, Any] = {
                 "loss_fn": None if purpose == "logits" else self._scaled_loss,
                 "scale_grads": False,
@@ -221,10 +227,11 @@ class Pipeline:
         args = (tokens,) if self.has_first else ()
         kwargs: dict[str, Any] = {"target": targets, "losses": losses} if self.has_last else {}
         schedule = self._schedule("train" if backward else "eval", tuple(tokens.shape))
+        # return_outputs=False: the last stage keeps no microbatch's output (the logits) once its loss is taken
         if backward:
-            schedule.step(*args, **kwargs)
+            schedule.step(*args, return_outputs=False, **kwargs)
         else:
-            schedule.eval(*args, **kwargs)
+            schedule.eval(*args, return_outputs=False, **kwargs)
         scale = self.loss_scale / self.num_microbatches  # what _scaled_loss multiplied by
         loss = torch.stack([x.detach().float() for x in losses]).mean() / scale if self.has_last else None
         if loss is None:
@@ -252,6 +259,63 @@ class Pipeline:
         """Make ``model(inputs, targets)`` and ``model(inputs)`` run this pipeline (see the module docstring)."""
         model.__class__ = _pipelined_class(type(model))
         model._megascale_pipeline = self  # type: ignore[assignment]
+
+
+class _LeanStage(PipelineStage):
+    """torch's ``PipelineStage``, holding outputs no longer than needed and reducing ZeRO-2/3 gradients during
+    the last microbatch's backward.
+
+    Outputs: torch's stage caches every forward's output until that microbatch's backward (``fwd_cache``), and
+    without a backward (evaluation) until the next step: the last stage would keep all M microbatches' logits
+    alive. Here, without a backward, the cache entry goes as soon as the output is sent (its send holds the
+    tensor until delivered) or, on the last stage, as soon as the forward returns (the schedule takes the loss
+    from the returned output).
+
+    Gradients: torch runs every microbatch's backward with FSDP's gradient sync off and reduce-scatters every
+    unit after the last one (``perform_reduce_grad``), one after another, overlapping nothing. Here the last
+    microbatch's backward runs with sync on, so FSDP reduce-scatters each unit as backward finishes it, while
+    the earlier units' gradients are computed; ``perform_reduce_grad`` then finds nothing left to reduce. Under
+    the runtime's ``no_sync`` (gradient accumulation over pipeline steps) nothing is reduced: the gradients
+    stay unsharded sums until the step that syncs.
+    """
+
+    pipeline: Pipeline
+
+    def _syncs(self) -> bool:
+        return self.pipeline.sync_gradients
+
+    def backward_maybe_with_nosync(
+        self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False
+    ) -> tuple[tuple[torch.Tensor | None, ...], list[dict[str, Any]] | None]:
+        if not (last_backward and backward_type == "full" and isinstance(self.submod, FSDPModule)):
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        sync = self._syncs()
+        self.submod.set_is_last_backward(sync)
+        self.submod.set_reshard_after_backward(sync)
+        self.submod.set_requires_gradient_sync(sync)
+        grads = stage_backward(
+            bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"]
+        )
+        return grads, None
+
+    def perform_reduce_grad(self, grad_scale_factor: int) -> None:
+        if isinstance(self.submod, FSDPModule) and not self._syncs():
+            if grad_scale_factor != 1:
+                self.scale_grads(grad_scale_factor)
+            return
+        super().perform_reduce_grad(grad_scale_factor)
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        output = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        if self.is_last and not self.has_backward:
+            self.fwd_cache.pop(fwd_chunk_id, None)
+        return output
+
+    def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
+        ops = super().get_fwd_send_ops(fwd_chunk_id)
+        if not self.has_backward:
+            self.fwd_cache.pop(fwd_chunk_id, None)
+        return ops
 
 
 class _RunsPipeline:

@@ -206,16 +206,35 @@ class _ShardedOptimizerState(_ReplicatedGradients):
 
 
 class _FullySharded(ZeroRuntime):
-    """Stages 2 and 3 on FSDP2: one FSDP root per tree, a unit per group of layers."""
+    """Stages 2 and 3 on FSDP2: one FSDP root per tree, a unit per group of layers.
+
+    Gradient accumulation (``no_sync``): gradients accumulate unsharded and are reduce-scattered once, by the
+    backward of the step's last micro-batch, unit by unit as it goes. Stage 2 also keeps its parameters
+    gathered between the micro-batches (nothing gathered twice per step); stage 3 still re-gathers them for
+    each forward and backward, its reason to exist being that they are not all held at once. The first
+    unit's gather of the next step is issued right after the optimizer step (both stages), so it overlaps
+    whatever comes before the next forward (the data load)."""
 
     def __init__(self, stage: int, units: list) -> None:  # list[FSDPUnits]
         self.stage = stage
         self.units = units
 
-    def after_optimizer_step(self, optimizer: Optimizer) -> None:
-        if self.stage == 3:
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        for units in self.units:
+            units.root.set_requires_gradient_sync(False)
+            if self.stage == 2:
+                units.root.set_reshard_after_backward(False)
+        try:
+            yield
+        finally:
             for units in self.units:
-                units.prefetch_first_unit()
+                units.root.set_requires_gradient_sync(True)
+                units.root.set_reshard_after_backward(True)
+
+    def after_optimizer_step(self, optimizer: Optimizer) -> None:
+        for units in self.units:
+            units.prefetch_first_unit()
 
 
 def apply_zero(

@@ -13,7 +13,12 @@ parameters make a DDP-style bucketed all-reduce cheaper than FSDP2's per-paramet
   saves memory (they are gathered again, prefetched, in the next forward).
 - stage 3: ``reshard_after_forward=True``. Parameters are gathered per unit just in time in forward and again
   in backward. With ``prefetch``, unit i's forward issues unit i+1's all-gather (and backward the previous
-  unit's), and ``prefetch_first_unit`` issues the first unit's gather before a forward starts.
+  unit's).
+
+Both stages: ``prefetch_first_unit`` issues the first unit's gather right after the optimizer step, before
+the next forward (overlapping the data load); under gradient accumulation the runtime turns FSDP's gradient
+sync off for all micro-batches but the last (``ZeroRuntime.no_sync``), so each unit is reduce-scattered once
+per step, during the last backward.
 
 A unit ("bucket") is a group of consecutive layers of at most ``bucket_size_mb`` of parameters, in forward
 order; the caller says what the layers are (a GPT's embedding, blocks and head; a pipeline stage's; a user
