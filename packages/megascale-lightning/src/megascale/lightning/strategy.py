@@ -41,7 +41,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.optim import Optimizer
@@ -55,6 +55,8 @@ from megascale.lightning import checkpoint_io
 from megascale.lightning.pipeline_loop import PipelineLoop
 from megascale.lightning.precision import to_megascale_precision
 from megascale.lightning.weight_readers import weight_readers_between_steps
+
+RNG_KEY = "megascale_rng"  # in meta.pt: every rank's dropout streams (tp / pp layouts)
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -447,6 +449,9 @@ class MegaScaleStrategy(ParallelStrategy):
         self._wait_for_params()
         path = Path(self.broadcast(str(filepath)))
         checkpoint = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        rng = self._rng_states()
+        if rng is not None:
+            checkpoint[RNG_KEY] = rng
         assert self.model is not None
         checkpoint_io.save(
             path, self.model, self.optimizers, checkpoint, is_global_zero=self.is_global_zero,
@@ -458,11 +463,38 @@ class MegaScaleStrategy(ParallelStrategy):
         self._wait_for_params()
         path = Path(self.broadcast(str(checkpoint_path)))
         assert self.model is not None and self.lightning_module is not None
-        return checkpoint_io.load(
+        checkpoint = checkpoint_io.load(
             path, self.model, self.optimizers, strict=self.lightning_module.strict_loading,
             before_optimizer_state=self.runtime.zero.prepare_optimizer_state,
             holds_all_states=self._holds_all_states,
         )  # fmt: skip
+        self._restore_rng(checkpoint.pop(RNG_KEY, None))
+        return checkpoint
+
+    def _rng_states(self) -> dict[str, Any] | None:
+        """Every rank's dropout streams (``megascale.core.parallel.rng``), for rank 0 to save with the rest."""
+        rng = self.runtime.rng
+        if rng is None:
+            return None
+        states: list[Any] = [None] * self.world_size
+        dist.all_gather_object(states, rng.state_dict())
+        return {
+            "layout": [self.runtime.dims.dp, self.runtime.dims.pp, self.runtime.dims.tp],
+            "states": states,
+        }
+
+    def _restore_rng(self, saved: dict[str, Any] | None) -> None:
+        rng = self.runtime.rng
+        if rng is None or saved is None:
+            return
+        layout = [self.runtime.dims.dp, self.runtime.dims.pp, self.runtime.dims.tp]
+        if saved["layout"] != layout:
+            rank_zero_warn(
+                f"the checkpoint's dropout streams were saved at dp×pp×tp={saved['layout']}, this run is {layout}: "
+                "they start afresh from the seed (the weights and optimizer states are resumed as saved)"
+            )
+            return
+        rng.load_state_dict(saved["states"][self.global_rank])
 
     def sharded_state_dict(self) -> dict[str, Any]:
         """Model and optimizer states for a checkpointer of your own (e.g. megascale-ft's ``FaultTolerance``).

@@ -24,6 +24,7 @@ from torch.distributed._composable import checkpoint
 
 from megascale.core.model.attention import SelfAttention
 from megascale.core.model.layers import pipeline_layers_of
+from megascale.core.parallel.rng import ModelParallelRNG
 
 __all__ = ["ActivationCheckpointMode", "apply_activation_checkpointing", "checkpoint_targets"]
 
@@ -79,9 +80,12 @@ def apply_activation_checkpointing(
     mode: ActivationCheckpointMode,
     targets: Sequence[str] = (),
     blocks: Sequence[nn.Module] | None = None,
+    rng: ModelParallelRNG | None = None,
 ) -> nn.Module:
     """Checkpoint the blocks ("full") or attention cores ("selective") of ``model`` in place, or the modules
-    ``targets`` name; see the module docstring and ``checkpoint_targets``."""
+    ``targets`` name; see the module docstring and ``checkpoint_targets``. With ``rng`` (tensor-parallel
+    dropout streams), a recomputation draws the same masks as the forward it replays."""
+    kwargs = {"context_fn": rng.checkpoint_context} if rng is not None else {}
     for module in checkpoint_targets(model, mode, targets, blocks):
-        checkpoint(module)
+        checkpoint(module, **kwargs)
     return model

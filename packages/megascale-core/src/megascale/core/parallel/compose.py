@@ -48,6 +48,7 @@ from megascale.core.parallel.activation_checkpoint import apply_activation_check
 from megascale.core.parallel.materialize import has_meta_tensors, materialize
 from megascale.core.parallel.mesh import MESH_DIMS, ParallelDims
 from megascale.core.parallel.plan import ParallelPlan
+from megascale.core.parallel.rng import ModelParallelRNG
 from megascale.core.parallel.zero import UnitTree, ZeroRuntime, apply_zero
 
 if TYPE_CHECKING:
@@ -78,6 +79,8 @@ class ParallelRuntime:
     mesh: DeviceMesh
     zero: ZeroRuntime
     pipeline: Pipeline | None = None
+    #: the dropout streams of tp / pp layouts (``megascale.core.parallel.rng``); None with tp = pp = 1
+    rng: ModelParallelRNG | None = None
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -145,9 +148,12 @@ def parallelize(
     if has_meta_tensors(module):  # 3.
         notes += _materialize(module, gpts, device)
     module.to(device)
+    rng = _model_parallel_rng(module, gpts, plan, mesh, device)
     if plan.activation_checkpointing != "none":  # 4.
         blocks = [b for stage in stages for b in stage.segments[1]] if stages else None
-        apply_activation_checkpointing(module, plan.activation_checkpointing, plan.checkpoint_modules, blocks)
+        apply_activation_checkpointing(
+            module, plan.activation_checkpointing, plan.checkpoint_modules, blocks, rng=rng
+        )
     _broadcast_replicas(module, mesh["dp"])  # 5.
     if user_fsdp:
         zero = ZeroRuntime()
@@ -175,7 +181,37 @@ def parallelize(
     if notes and dist.get_rank() == 0:
         for note in notes:
             warnings.warn(note, stacklevel=2)
-    return ParallelRuntime(plan=plan, dims=dims, mesh=mesh, zero=zero, pipeline=pipeline, notes=notes)
+    return ParallelRuntime(
+        plan=plan, dims=dims, mesh=mesh, zero=zero, pipeline=pipeline, rng=rng, notes=notes
+    )
+
+
+def _model_parallel_rng(
+    module: nn.Module, gpts: list[GPT], plan: ParallelPlan, mesh: DeviceMesh, device: torch.device | str
+) -> ModelParallelRNG | None:
+    """The dropout streams (``rng.py``), seeded from the run's seed after materialisation (which draws from
+    per-layer seeds of its own); a GPT's split regions draw from the tensor-parallel stream: its attention
+    cores (local heads) and, under sequence parallelism, every dropout (sequence shards)."""
+    dims = (mesh["tp"].size(), mesh["pp"].size())
+    if dims == (1, 1):
+        return None
+    rng = ModelParallelRNG(
+        torch.initial_seed(), tp_rank=mesh["tp"].get_local_rank(), pp_rank=mesh["pp"].get_local_rank(),
+        pp=dims[1], device=device,
+    )  # fmt: skip
+    if dims[0] > 1:
+        from megascale.core.model.attention import SelfAttention
+
+        for gpt in gpts:
+            if gpt.config.dropout == 0:
+                continue
+            for m in gpt.modules():
+                if isinstance(m, SelfAttention) or (plan.sequence_parallel and isinstance(m, nn.Dropout)):
+                    rng.fork_around(m)
+    for m in module.modules():  # modules a tensor_parallel_plan placed in a split region
+        if getattr(m, "_megascale_split_region", False):
+            rng.fork_around(m)
+    return rng
 
 
 # ---- 0. what is there ------------------------------------------------------------------------------------

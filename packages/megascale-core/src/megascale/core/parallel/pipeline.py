@@ -231,7 +231,8 @@ class Pipeline:
         if backward:
             schedule.step(*args, return_outputs=False, **kwargs)
         else:
-            schedule.eval(*args, return_outputs=False, **kwargs)
+            with torch.no_grad():  # evaluation in train or eval mode alike: no microbatch keeps its graph
+                schedule.eval(*args, return_outputs=False, **kwargs)
         scale = self.loss_scale / self.num_microbatches  # what _scaled_loss multiplied by
         loss = torch.stack([x.detach().float() for x in losses]).mean() / scale if self.has_last else None
         if loss is None:
@@ -269,7 +270,8 @@ class _LeanStage(PipelineStage):
     without a backward (evaluation) until the next step: the last stage would keep all M microbatches' logits
     alive. Here, without a backward, the cache entry goes as soon as the output is sent (its send holds the
     tensor until delivered) or, on the last stage, as soon as the forward returns (the schedule takes the loss
-    from the returned output).
+    from the returned output); with one, the last stage caches only the inputs (its backward starts from the
+    loss, whose graph holds what it needs of the logits).
 
     Gradients: torch runs every microbatch's backward with FSDP's gradient sync off and reduce-scatters every
     unit after the last one (``perform_reduce_grad``), one after another, overlapping nothing. Here the last
@@ -307,11 +309,17 @@ class _LeanStage(PipelineStage):
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         output = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
-        if self.is_last and not self.has_backward:
-            self.fwd_cache.pop(fwd_chunk_id, None)
+        if self.is_last:
+            if not self.has_backward:
+                self.fwd_cache.pop(fwd_chunk_id, None)
+            else:  # its backward starts from the loss: the output (logits) need not wait for it here
+                _, inputs = self.fwd_cache[fwd_chunk_id]
+                self.fwd_cache[fwd_chunk_id] = ((), inputs)
         return output
 
     def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
+        if self.is_last:
+            return []  # sends nothing; its cache entry may be gone already
         ops = super().get_fwd_send_ops(fwd_chunk_id)
         if not self.has_backward:
             self.fwd_cache.pop(fwd_chunk_id, None)

@@ -527,6 +527,7 @@ class ScheduleDecoupled1F1B(PipelineScheduleSingle):
                 )
                 fwd_sends.push(mb, _post(stage.get_fwd_send_ops(mb), self._fwd_group))  # fire, don't wait
                 self._maybe_compute_loss(stage, output, target_mbs, mb, loss_kwargs)
+                del output  # the last stage's logits: the loss's graph keeps what backward needs
             else:
                 bwd_recvs.wait(mb)
                 stage.backward_one_chunk(mb, loss=self._maybe_get_loss(stage, mb), last_backward=mb == n - 1)

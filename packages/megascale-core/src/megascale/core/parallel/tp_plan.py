@@ -17,6 +17,7 @@ megascale's GPT. Activations are (B, T, ...); under sequence parallelism (SP) ra
 | ``replicated_with_grad_allreduce`` | any (per-head q/k norms) | plain, replicated | inside the tensor-parallel region each rank sees its heads only: gradients summed over tp |
 | ``sequence_scatter`` | any | — | SP: its output split to this rank's sequence shard (backward: all-gathered): enters the sequence region |
 | ``sequence_gather`` | any | — | SP: its first input gathered along the sequence (backward: this rank's slice, for a replicated consumer such as a value head) |
+| ``split_region`` | any (attention core, dropout) | plain | runs on this rank's part (its heads between a colwise and a rowwise layer, or a sequence shard): random draws (dropout) come from the rank's own tensor-parallel stream (``rng.py``), so masks do not repeat across ranks |
 | a torch ``ParallelStyle`` | as torch says | DTensor | handed to ``parallelize_module`` as is (no megascale overlap or SP) |
 
 How: a module keeps its identity, its parameter names and ``isinstance``; its class is swapped for a subclass
@@ -74,6 +75,7 @@ TP_STYLES = (
     "replicated_with_grad_allreduce",
     "sequence_scatter",
     "sequence_gather",
+    "split_region",
 )
 _SPLIT = ("colwise", "rowwise", "colwise_rep")
 
@@ -424,7 +426,11 @@ def apply_tensor_parallel_plan(
             _swap(m, _Rowwise, **state)
         elif style in ("sequence_parallel", "replicated_with_grad_allreduce"):
             # on sequence shards (SP) or inside the TP region, each rank's gradient is a part of the whole
-            _swap(m, _GradSumOverTP, **state, sum_grads=sequence_parallel or style != "sequence_parallel")
+            split = sequence_parallel or style != "sequence_parallel"
+            _swap(m, _GradSumOverTP, **state, sum_grads=split)
+            m._megascale_split_region = split  # type: ignore[assignment]  # its dropout: the tp stream
+        elif style == "split_region":
+            m._megascale_split_region = True  # type: ignore[assignment]  # parallelize forks its RNG stream
         elif style == "sequence_scatter":
             _swap(m, _SequenceScatter, **state)
         else:
