@@ -9,8 +9,10 @@ communication time can be estimated: comm(layout) = step(layout, overlap off) - 
 overlap hides (step(off) - step(on)) / comm of it.
 
 Reported per layout: median step time, tokens/s and the ratio to DDP, and the training state each rank holds
-(parameters + gradients + optimizer state, local shards counted; on CUDA also peak allocated memory). ZeRO-1
-should hold ~1/dp of DDP's optimizer state.
+(parameters + gradients + optimizer state, local shards counted; on CUDA also peak allocated memory), and the
+bytes a rank sends per step ("sent MB": every collective the step issues, counted by
+``megascale.core.comm_meter.CollectiveMeter``, as ring algorithms move them: an all-reduce 2(n-1)/n of its
+size, a reduce-scatter, all-gather or broadcast (n-1)/n). ZeRO-1 should hold ~1/dp of DDP's optimizer state.
 
 With ``--model own`` the same layouts train a model of the user's own instead of megascale's GPT: the
 Llama-style transformer of examples/own_model.py (plain torch layers; it declares its blocks, so ZeRO-2/3 shard
@@ -81,6 +83,7 @@ def _worker(args: argparse.Namespace) -> None:
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     from megascale.core import GPTConfig
+    from megascale.core.comm_meter import CollectiveMeter, wire_bytes
     from megascale.lightning import GPTModule, MegaScaleStrategy, TokenDataModule
 
     class FSDPGPTModule(GPTModule):
@@ -121,10 +124,15 @@ def _worker(args: argparse.Namespace) -> None:
         def __init__(self) -> None:
             self.times: list[float] = []
             self.state: dict[str, int] = {}
+            self.meter = CollectiveMeter()  # every collective a step issues, on this rank's thread
+            self.wire: list[float] = []
+            self.kinds: dict[str, int] = {}
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
+            self.meter.clear()
+            self.meter.__enter__()
             self._start = time.perf_counter()
 
         def on_before_optimizer_step(self, trainer, pl_module, optimizer):
@@ -135,6 +143,10 @@ def _worker(args: argparse.Namespace) -> None:
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             self.times.append(time.perf_counter() - self._start)
+            self.meter.__exit__(None, None, None)
+            # bytes a rank sends per step under ring algorithms (every collective here spans the dp=2 ranks)
+            self.wire.append(sum(wire_bytes(c.kind, c.payload, 2) for c in self.meter.collectives()))
+            self.kinds = dict(self.meter.kinds())
 
     cuda = torch.cuda.is_available()
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -167,7 +179,9 @@ def _worker(args: argparse.Namespace) -> None:
                 precision="bf16-mixed" if cuda else "32-true").fit(module, datamodule=data)  # fmt: skip
         step = statistics.median(measure.times[args.warmup :])
         results[name] = dict(step_s=step, tokens_per_s=micro * world * args.seq_len / step, state=measure.state,
-                             peak_bytes=torch.cuda.max_memory_allocated() if cuda else None)  # fmt: skip
+                             peak_bytes=torch.cuda.max_memory_allocated() if cuda else None,
+                             wire_bytes=statistics.median(measure.wire[args.warmup :]),
+                             collectives=measure.kinds)  # fmt: skip
     if int(os.environ.get("RANK", "0")) == 0:
         Path(args.out).write_text(json.dumps(results))
     if torch.distributed.is_initialized():
@@ -237,12 +251,13 @@ def main() -> None:
           f"median of {args.steps - args.warmup} steps\n")  # fmt: skip
     print(
         f"{'layout':<34}{'ms/step':>9}{'tokens/s':>10}{'vs DDP':>8}{'params MB':>11}{'grads MB':>10}{'optim MB':>10}"
-        f"{'units':>7}"
+        f"{'units':>7}{'sent MB':>9}{'vs DDP':>8}"
     )
     for name, r in results.items():
         s = r["state"]
         print(f"{name:<34}{r['step_s'] * 1e3:>9.1f}{r['tokens_per_s']:>10.0f}{r['tokens_per_s'] / base['tokens_per_s']:>7.2f}x"
-              f"{s['params'] / 2**20:>11.2f}{s['grads'] / 2**20:>10.2f}{s['optimizer'] / 2**20:>10.2f}{s['units']:>7}")  # fmt: skip
+              f"{s['params'] / 2**20:>11.2f}{s['grads'] / 2**20:>10.2f}{s['optimizer'] / 2**20:>10.2f}{s['units']:>7}"
+              f"{r['wire_bytes'] / 2**20:>9.2f}{r['wire_bytes'] / base['wire_bytes']:>7.2f}x")  # fmt: skip
     print(f"{'no communication (a rank alone)':<34}{compute * 1e3:>9.1f}")
     print()
     for stage in (1, 2, 3):
