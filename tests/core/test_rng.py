@@ -204,3 +204,37 @@ def test_pipeline_stages_draw_different_streams() -> None:
     name = next(iter(results[0]))
     # both ranks were seeded alike just before parallelize: only the per-stage offset tells them apart
     assert not torch.equal(results[0][name]["default_after_setup"], results[1][name]["default_after_setup"])
+
+
+class _PlannedMLP(nn.Module):
+    """A user's MLP: column-parallel up, a dropout on the split features, row-parallel down, a dropout after."""
+
+    tensor_parallel_plan = {"up": "colwise", "split_drop": "split_region", "down": "rowwise"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
+        self.split_drop, self.drop = nn.Dropout(0.5), nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.down(self.split_drop(self.up(x))))
+
+
+def _plan_worker(rank: int, world: int) -> dict[str, torch.Tensor]:
+    plan = ParallelPlan(tp=2, sequence_parallel=False)
+    mesh = plan.dims(world).build_mesh("cpu")
+    torch.manual_seed(0)
+    model = _PlannedMLP()
+    parallelize(model, plan, mesh, device="cpu")
+    split: list[torch.Tensor] = []
+    replicated: list[torch.Tensor] = []
+    model.split_drop.register_forward_pre_hook(_probe(split))
+    model.drop.register_forward_pre_hook(_probe(replicated))
+    model(torch.ones(2, 8))
+    return {"split": split[0], "replicated": replicated[0]}
+
+
+def test_a_plans_split_region_draws_its_own_stream() -> None:
+    r0, r1 = run_distributed(_plan_worker, 2, timeout=120)
+    assert not torch.equal(r0["split"], r1["split"]), "the split region drew the same stream on both tp ranks"
+    assert torch.equal(r0["replicated"], r1["replicated"]), "the replicated dropout drew different streams"
