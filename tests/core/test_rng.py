@@ -209,10 +209,9 @@ def test_pipeline_stages_draw_different_streams() -> None:
 class _PlannedMLP(nn.Module):
     """A user's MLP: column-parallel up, a dropout on the split features, row-parallel down, a dropout after."""
 
-    tensor_parallel_plan = {"up": "colwise", "split_drop": "split_region", "down": "rowwise"}
-
     def __init__(self) -> None:
         super().__init__()
+        self.tensor_parallel_plan = {"up": "colwise", "split_drop": "split_region", "down": "rowwise"}
         self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
         self.split_drop, self.drop = nn.Dropout(0.5), nn.Dropout(0.5)
 
