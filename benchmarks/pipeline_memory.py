@@ -16,8 +16,8 @@ microbatch) after one warm-up step (which builds the stages, their receive buffe
                  outputs, gradients in flight, send buffers. Not counted (allocated before the step): the
                  parameters and gradients, and the receive buffers torch's PipelineStage preallocates for every
                  microbatch (column "recv bufs", constant, reported apart)
-Per stage, one microbatch alone (the stage module's forward, and the loss on the last stage, outputs kept, then
-its backward), under the same meters:
+Per stage, one microbatch alone (the stage module's forward, and the loss on the last stage, outputs kept —
+on the last stage only the loss, as the pipeline keeps it — then its backward), under the same meters:
     act/mb       saved bytes after the forward: the activation of one microbatch on that stage
     live/mb      live bytes after the forward (activation + the stage's output + loss), and the live peaks
                  during that forward and that backward
@@ -124,6 +124,8 @@ def _theory(
             count = max(count, len(in_flight))
         else:
             held = sum(alone[s]["live"] for s, m in in_flight if (s, m) != (stage, mb)) + held_sends()
+            if name == "gpipe":  # torch's ScheduleGPipe loop variable keeps the last forward's output (the
+                held += alone[stage]["logits"]  # logits on the last stage) through the backward phase
             live = max(live, held + alone[stage]["bwd_peak"])
             in_flight.remove((stage, mb))
         post(kind, stage, mb)
@@ -163,14 +165,17 @@ def _alone(
     with saved, live:
         out = module(x)
         loss = pipe._scaled_loss(out, targets[:rows]) if last else None
+        if last:  # the pipeline keeps the loss, whose graph holds what backward needs of the logits
+            out = None
         result = {"saved": saved.current, "live": live.current, "fwd_peak": live.peak}
         live.reset_peak()
         if loss is not None:
             loss.backward()
         else:
+            assert out is not None
             out.backward(grad)
         result["bwd_peak"] = live.peak
-    result["out_bytes"] = 0 if last else out.untyped_storage().nbytes()  # what a forward sends
+    result["out_bytes"] = 0 if out is None else out.untyped_storage().nbytes()  # what a forward sends
     result["grad_bytes"] = 0 if x.grad is None else x.grad.untyped_storage().nbytes()  # what a backward sends
     del out, loss
     if isinstance(x, torch.Tensor) and x.requires_grad:
