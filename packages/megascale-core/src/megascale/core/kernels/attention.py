@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from megascale.core import _optional
-from megascale.core.kernels.registry import get_kernel
+from megascale.core.kernels.registry import Probe, ProbeInputs, get_kernel
 
 __all__ = ["attention", "attention_mask"]
 
@@ -105,3 +105,12 @@ def _reference(q, k, v, *, window: int | None = None, scale: float | None = None
     scores = scores.masked_fill(~attention_mask(T, window, q.device), float("-inf"))
     probs = F.dropout(scores.softmax(dim=-1), p=dropout_p, training=dropout_p > 0)
     return torch.einsum("bhts,bshd->bthd", probs, v.float()).to(q.dtype)
+
+
+def _probe(device: torch.device, dtype: torch.dtype, gen: torch.Generator) -> ProbeInputs:
+    q = torch.randn(2, 16, 4, 16, generator=gen)  # (B, T, H, head_dim), grouped-query: 2 kv heads
+    k, v = torch.randn(2, 16, 2, 16, generator=gen), torch.randn(2, 16, 2, 16, generator=gen)
+    return (q.to(device, dtype), k.to(device, dtype), v.to(device, dtype)), {"window": 6}, (0, 1, 2)
+
+
+attention.probe = Probe(_probe, {torch.float32: (1e-4, 1e-5), torch.bfloat16: (3e-2, 3e-2)})

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from megascale.core.kernels import triton as _triton
-from megascale.core.kernels.registry import get_kernel
+from megascale.core.kernels.registry import Probe, ProbeInputs, get_kernel
 
 __all__ = ["bias_gelu"]
 
@@ -26,3 +26,11 @@ def _triton_backend(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
 @bias_gelu.register("torch")
 def _reference(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return F.gelu(x if bias is None else x + bias, approximate="tanh")
+
+
+def _probe(device: torch.device, dtype: torch.dtype, gen: torch.Generator) -> ProbeInputs:
+    x, bias = torch.randn(4, 64, generator=gen), 0.1 * torch.randn(64, generator=gen)
+    return (x.to(device, dtype), bias.to(device, dtype)), {}, (0, 1)
+
+
+bias_gelu.probe = Probe(_probe)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from megascale.core.kernels import triton as _triton
-from megascale.core.kernels.registry import get_kernel
+from megascale.core.kernels.registry import Probe, ProbeInputs, get_kernel
 
 __all__ = ["cross_entropy"]
 
@@ -51,3 +51,13 @@ def _reference(
     return F.cross_entropy(
         logits.float(), targets.reshape(-1), ignore_index=ignore_index, reduction=reduction
     )
+
+
+def _probe(device: torch.device, dtype: torch.dtype, gen: torch.Generator) -> ProbeInputs:
+    logits = 2 * torch.randn(8, 96, generator=gen)
+    targets = torch.randint(0, 90, (8,), generator=gen)
+    targets[3] = -100  # an ignored position
+    return (logits.to(device, dtype), targets.to(device)), {"vocab_size": 90}, (0,)
+
+
+cross_entropy.probe = Probe(_probe)

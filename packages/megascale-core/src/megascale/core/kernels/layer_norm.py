@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from megascale.core import _optional
 from megascale.core.kernels import triton as _triton
-from megascale.core.kernels.registry import get_kernel
+from megascale.core.kernels.registry import Probe, ProbeInputs, get_kernel
 
 __all__ = ["layer_norm"]
 
@@ -42,3 +42,12 @@ def _triton_backend(
 def _reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
     b = None if bias is None else bias.float()
     return F.layer_norm(x.float(), (x.shape[-1],), weight.float(), b, eps).to(x.dtype)
+
+
+def _probe(device: torch.device, dtype: torch.dtype, gen: torch.Generator) -> ProbeInputs:
+    x = torch.randn(4, 64, generator=gen)
+    weight, bias = 1 + 0.1 * torch.randn(64, generator=gen), 0.1 * torch.randn(64, generator=gen)
+    return (x.to(device, dtype), weight.to(device, dtype), bias.to(device, dtype), 1e-5), {}, (0, 1, 2)
+
+
+layer_norm.probe = Probe(_probe)

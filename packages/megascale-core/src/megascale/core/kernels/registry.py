@@ -8,6 +8,13 @@ were skipped, and can be forced three ways, strongest first: a ``backend=`` argu
 nothing (fastest available). The ``torch`` backend of every kernel is the reference the others are tested
 against, and it always runs.
 
+Checked before first use: a backend other than the reference is run once per device type on a small input
+(the kernel's ``Probe``: fp32, and on CUDA also bf16) next to the reference, forward and backward; if its
+outputs or gradients disagree beyond the probe's tolerance, or it raises, automatic selection skips it with a
+warning naming the difference (the next candidate, ultimately the reference, runs), and a forced request fails
+with that message. A Triton, flash or apex kernel that only ever ran in CI's CPU interpreter thus never trains
+silently wrong on a user's GPU. ``MEGASCALE_KERNEL_CHECK=0`` turns the check off.
+
 Two checks per backend, because "can run" and "should be picked" differ on some devices:
 ``unavailable(device)`` says why automatic selection skips the backend; ``unavailable_if_forced(device)``
 (default: the same check) says why even a forced request must fail. A backend that works on a device but is
@@ -19,7 +26,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +38,8 @@ __all__ = [
     "Check",
     "Kernel",
     "KernelUnavailableError",
+    "Probe",
+    "Verdict",
     "describe",
     "get_kernel",
     "kernels",
@@ -39,6 +49,7 @@ __all__ = [
 log = logging.getLogger("megascale.core.kernels")
 
 ENV_VAR = "MEGASCALE_KERNELS"
+CHECK_ENV_VAR = "MEGASCALE_KERNEL_CHECK"
 REFERENCE = "torch"
 
 
@@ -68,13 +79,80 @@ class Backend:
         return check(device)
 
 
+ProbeInputs = tuple[tuple[Any, ...], dict[str, Any], Sequence[int]]
+"""(args, kwargs, positions of the args to differentiate)."""
+
+
+@dataclass(frozen=True)
+class Probe:
+    """Small inputs on which a backend is checked against the reference, and how close it must come.
+
+    ``make(device, dtype, generator)`` builds the inputs (drawn from ``generator``, a CPU generator, then moved
+    to ``device``); ``tolerance`` maps each dtype checked to (rtol, atol): an element passes when
+    ``|got - want| <= atol + rtol * |want|``, for the output and for the gradient of every differentiated input.
+    """
+
+    make: Callable[[torch.device, torch.dtype, torch.Generator], ProbeInputs]
+    tolerance: dict[torch.dtype, tuple[float, float]] = field(
+        default_factory=lambda: {torch.float32: (1e-4, 1e-5), torch.bfloat16: (2e-2, 2e-2)}
+    )
+
+    def dtypes(self, device: torch.device) -> list[torch.dtype]:
+        """fp32 everywhere; on accelerators also the low-precision dtypes training runs in."""
+        return [d for d in self.tolerance if d == torch.float32 or device.type != "cpu"]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The outcome of checking one backend against the reference on one device type."""
+
+    passed: bool
+    detail: str
+
+
+def _checks_enabled() -> bool:
+    return os.environ.get(CHECK_ENV_VAR, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _run(fn: Callable[..., Any], inputs: ProbeInputs, cotangent_seed: int) -> tuple[torch.Tensor, list]:
+    args, kwargs, diff = inputs
+    args = tuple(
+        a.detach().clone().requires_grad_(i in diff) if isinstance(a, torch.Tensor) else a
+        for i, a in enumerate(args)
+    )
+    with torch.enable_grad():
+        out = fn(*args, **kwargs)
+        gen = torch.Generator().manual_seed(cotangent_seed)
+        cotangent = torch.randn(out.shape, generator=gen).to(device=out.device, dtype=out.dtype)
+        wrt = [args[i] for i in diff]
+        grads = list(torch.autograd.grad(out, wrt, cotangent, allow_unused=True)) if wrt else []
+    return out.detach(), grads
+
+
+def _excess(
+    got: torch.Tensor | None, want: torch.Tensor | None, rtol: float, atol: float
+) -> tuple[float, float]:
+    """(largest |got - want| beyond the tolerance, largest |got - want|); inf when one is missing or misshaped."""
+    if got is None or want is None:
+        return (0.0, 0.0) if got is None and want is None else (float("inf"), float("inf"))
+    if got.shape != want.shape:
+        return float("inf"), float("inf")
+    diff = (got.float() - want.float()).abs()
+    if not torch.isfinite(diff).all():
+        return float("inf"), float("inf")
+    beyond = diff - (atol + rtol * want.float().abs())
+    return float(beyond.max()), float(diff.max())
+
+
 @dataclass
 class Kernel:
     """A named operation with backends in order of preference; call it like the function it stands for."""
 
     name: str
     backends: list[Backend] = field(default_factory=list)
+    probe: Probe | None = None
     _chosen: dict[tuple[str, str | None], Backend] = field(default_factory=dict, repr=False)
+    _verdicts: dict[tuple[str, str], Verdict] = field(default_factory=dict, repr=False)
 
     def register(
         self, name: str, unavailable: Check = _always, *, unavailable_if_forced: Check | None = None
@@ -93,6 +171,42 @@ class Kernel:
     def backend_names(self) -> list[str]:
         return [b.name for b in self.backends]
 
+    def verdict(self, backend: Backend, device: torch.device) -> Verdict:
+        """Check ``backend`` against the reference on the probe (once per device type; see the module docstring)."""
+        key = (backend.name, device.type)
+        if key in self._verdicts:
+            return self._verdicts[key]
+        if backend.name == REFERENCE or self.probe is None or not _checks_enabled():
+            return Verdict(True, "not checked")
+        reference = next(b for b in self.backends if b.name == REFERENCE)
+        worst = f"within tolerance on {device.type}"
+        verdict = Verdict(True, worst)
+        try:
+            for dtype in self.probe.dtypes(device):
+                rtol, atol = self.probe.tolerance[dtype]
+                inputs = self.probe.make(device, dtype, torch.Generator().manual_seed(0))
+                got, got_grads = _run(backend.fn, inputs, cotangent_seed=1)
+                want, want_grads = _run(reference.fn, inputs, cotangent_seed=1)
+                names = ["output"] + [f"gradient of input {i}" for i in inputs[2]]
+                for what, g, w in zip(names, [got, *got_grads], [want, *want_grads]):
+                    beyond, diff = _excess(g, w, rtol, atol)
+                    if beyond > 0:
+                        verdict = Verdict(
+                            False,
+                            f"its {what} differs from the torch reference by up to {diff:.3g} in {dtype} "
+                            f"(tolerance {atol:g} + {rtol:g}·|reference|) on a {device.type} probe",
+                        )
+                        break
+                if not verdict.passed:
+                    break
+        except Exception as exc:  # a kernel that cannot even run the probe is as wrong as one that disagrees
+            verdict = Verdict(False, f"it raised {type(exc).__name__}: {exc} on a {device.type} probe")
+        self._verdicts[key] = verdict
+        log.info(
+            "megascale kernel %s, backend %s on %s: %s", self.name, backend.name, device.type, verdict.detail
+        )
+        return verdict
+
     def select(self, device: torch.device | str, backend: str | None = None) -> Backend:
         """The backend that runs on ``device``: the forced one, else the first available. Cached."""
         device = torch.device(device)
@@ -110,6 +224,8 @@ class Kernel:
                 )
             chosen = by_name[forced]
             reason = chosen.forced_reason(device)
+            if reason is None and not (verdict := self.verdict(chosen, device)).passed:
+                reason = f"it failed its check against the torch reference: {verdict.detail} ({CHECK_ENV_VAR}=0 skips the check)"
             if reason is not None:
                 raise KernelUnavailableError(
                     f"kernel {self.name!r}: backend {forced!r} (asked by {source}) cannot run on "
@@ -120,6 +236,14 @@ class Kernel:
             skipped = []
             for candidate in self.backends:
                 reason = candidate.unavailable(device)
+                if reason is None and not (verdict := self.verdict(candidate, device)).passed:
+                    reason = f"failed its check against the torch reference: {verdict.detail}"
+                    warnings.warn(
+                        f"megascale kernel {self.name!r}: backend {candidate.name!r} is not used on {device.type}: "
+                        f"{verdict.detail}. Falling back to the next backend.",
+                        RuntimeWarning,
+                        stacklevel=3,
+                    )
                 if reason is None:
                     chosen = candidate
                     break
@@ -155,9 +279,10 @@ def kernels() -> dict[str, Kernel]:
 
 
 def reset() -> None:
-    """Forget every cached choice (after changing ``MEGASCALE_KERNELS``, or in tests)."""
+    """Forget every cached choice and check (after changing ``MEGASCALE_KERNELS``, or in tests)."""
     for k in _KERNELS.values():
         k._chosen.clear()
+        k._verdicts.clear()
 
 
 def describe(device: torch.device | str = "cpu") -> dict[str, str]:

@@ -10,7 +10,7 @@ import torch
 
 from megascale.core import _optional
 from megascale.core.kernels import triton as _triton
-from megascale.core.kernels.registry import get_kernel
+from megascale.core.kernels.registry import Probe, ProbeInputs, get_kernel
 
 __all__ = ["rms_norm"]
 
@@ -38,3 +38,12 @@ def _reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tenso
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
     return (y * weight.float()).to(x.dtype)
+
+
+def _probe(device: torch.device, dtype: torch.dtype, gen: torch.Generator) -> ProbeInputs:
+    x = torch.randn(4, 64, generator=gen)
+    weight = 1 + 0.1 * torch.randn(64, generator=gen)
+    return (x.to(device, dtype), weight.to(device, dtype), 1e-6), {}, (0, 1)
+
+
+rms_norm.probe = Probe(_probe)

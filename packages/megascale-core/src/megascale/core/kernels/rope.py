@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from megascale.core.kernels import triton as _triton
-from megascale.core.kernels.registry import get_kernel
+from megascale.core.kernels.registry import Probe, ProbeInputs, get_kernel
 
 __all__ = ["apply_rope", "rope_tables"]
 
@@ -42,3 +42,12 @@ def _reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     c = cos[: x.shape[1]].unsqueeze(1)  # (T, 1, hd/2): broadcast over heads
     s = sin[: x.shape[1]].unsqueeze(1)
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+
+
+def _probe(device: torch.device, dtype: torch.dtype, gen: torch.Generator) -> ProbeInputs:
+    x = torch.randn(2, 8, 2, 16, generator=gen)  # (B, T, H, head_dim)
+    cos, sin = rope_tables(8, 16, 10000.0, device)
+    return (x.to(device, dtype), cos, sin), {}, (0,)
+
+
+apply_rope.probe = Probe(_probe)

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from megascale.core.kernels import triton as _triton
-from megascale.core.kernels.registry import get_kernel
+from megascale.core.kernels.registry import Probe, ProbeInputs, get_kernel
 
 __all__ = ["swiglu"]
 
@@ -26,3 +26,11 @@ def _triton_backend(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 @swiglu.register("torch")
 def _reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
+
+
+def _probe(device: torch.device, dtype: torch.dtype, gen: torch.Generator) -> ProbeInputs:
+    gate, up = torch.randn(4, 64, generator=gen), torch.randn(4, 64, generator=gen)
+    return (gate.to(device, dtype), up.to(device, dtype)), {}, (0, 1)
+
+
+swiglu.probe = Probe(_probe)

@@ -1,0 +1,151 @@
+"""A backend is checked against the torch reference before its first use on a device: one that disagrees
+(forward or backward) or fails is skipped with a warning naming the difference, or refused when forced.
+
+Injected on the CPU into the real ``rms_norm`` kernel (available there, ahead of the others): a backend that
+forgets the weight, one whose forward is right and backward wrong, one that raises, and a correct one; the
+real Triton backends (in Triton's CPU interpreter) and SDPA must pass their checks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from megascale.core.kernels import KernelUnavailableError, kernels, registry, rms_norm
+from megascale.core.kernels.registry import Backend, Probe
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def _fresh(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.delenv(registry.ENV_VAR, raising=False)
+    monkeypatch.delenv(registry.CHECK_ENV_VAR, raising=False)
+    registry.reset()
+    yield
+    registry.reset()
+
+
+@pytest.fixture
+def inject(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Put a backend first in rms_norm's list, available on the CPU (restored after the test)."""
+
+    def put(name: str, fn: Any) -> None:
+        monkeypatch.setattr(rms_norm, "backends", [Backend(name, fn), *rms_norm.backends])
+        registry.reset()
+
+    return put
+
+
+def _reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+
+
+def _no_weight(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _reference(x, torch.ones_like(weight), eps)
+
+
+class _WrongBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        return _reference(x, weight, eps)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        x, weight = ctx.saved_tensors
+        with torch.enable_grad():
+            xr, wr = x.detach().requires_grad_(), weight.detach().requires_grad_()
+            gx, gw = torch.autograd.grad(_reference(xr, wr, ctx.eps), (xr, wr), grad)
+        return gx, 2 * gw, None  # the weight's gradient doubled
+
+
+def _wrong_backward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _WrongBackward.apply(x, weight, eps)
+
+
+def _raises(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    raise RuntimeError("no kernel image for this device")
+
+
+def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    return torch.randn(3, 64, generator=gen), 1 + torch.randn(64, generator=gen)
+
+
+@pytest.mark.parametrize(
+    ("fn", "message"),
+    [
+        (_no_weight, r"'wrong'.*its output differs from the torch reference by up to"),
+        (_wrong_backward, r"'wrong'.*its gradient of input 1 differs from the torch reference"),
+        (_raises, r"'wrong'.*it raised RuntimeError: no kernel image"),
+    ],
+    ids=["wrong forward", "wrong backward", "raises"],
+)
+def test_a_wrong_backend_is_skipped_with_a_warning_and_the_reference_runs(
+    inject: Any, fn: Any, message: str
+) -> None:
+    inject("wrong", fn)
+    x, w = _inputs()
+    with pytest.warns(RuntimeWarning, match=message):
+        got = rms_norm(x, w, 1e-6)
+    assert torch.equal(got, _reference(x, w, 1e-6))
+    assert rms_norm.select(CPU).name != "wrong"
+
+
+def test_a_wrong_backend_that_is_forced_is_refused_naming_the_difference(inject: Any) -> None:
+    inject("wrong", _no_weight)
+    with pytest.raises(
+        KernelUnavailableError, match=r"'wrong'.*failed its check.*differs.*MEGASCALE_KERNEL_CHECK=0"
+    ):
+        rms_norm(*_inputs(), 1e-6, backend="wrong")
+
+
+def test_a_correct_backend_passes_once_and_is_used(inject: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = {"kernel": 0, "probe": 0}
+
+    def correct(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        calls["kernel"] += 1
+        return _reference(x, weight, eps)
+
+    probe = rms_norm.probe
+    assert probe is not None
+
+    def counting(*args: Any) -> Any:
+        calls["probe"] += 1
+        return probe.make(*args)
+
+    monkeypatch.setattr(rms_norm, "probe", Probe(counting, probe.tolerance))
+    inject("correct", correct)
+    x, w = _inputs()
+    for _ in range(3):
+        assert torch.equal(rms_norm(x, w, 1e-6), _reference(x, w, 1e-6))
+    assert calls["probe"] == 1, "the check ran more than once"
+    assert calls["kernel"] == 1 + 3, "the checked backend was not the one used"
+    assert rms_norm._verdicts[("correct", "cpu")].passed
+
+
+def test_the_check_can_be_turned_off(inject: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(registry.CHECK_ENV_VAR, "0")
+    inject("wrong", _no_weight)
+    assert rms_norm.select(CPU).name == "wrong"
+
+
+def test_every_real_backend_passes_its_check_on_the_cpu() -> None:
+    """The Triton backends run in the interpreter here (tests/conftest.py); SDPA is attention's CPU choice."""
+    pytest.importorskip("triton")
+    checked = 0
+    for name, kernel in kernels().items():
+        assert kernel.probe is not None, f"kernel {name!r} has no probe"
+        for backend in kernel.backends:
+            if backend.name == registry.REFERENCE or backend.forced_reason(CPU) is not None:
+                continue  # apex, flash: CUDA only
+            verdict = kernel.verdict(backend, CPU)
+            assert verdict.passed, f"{name}/{backend.name}: {verdict.detail}"
+            checked += 1
+    assert checked >= 7  # six Triton kernels and SDPA
