@@ -16,8 +16,8 @@ r, r+P, r+2P, ... (V > 1: the interleaved schedule's "virtual stages"). ``apply_
 3. returns one ``StageModule`` per stage it holds: a view over the model's own layers (shared, not copied).
 
 ``build_pipeline`` then builds the ``PipelineStage``s (torch.distributed.pipelining) and a schedule — "gpipe",
-"1f1b" (megascale's decoupled 1F1B), "interleaved" (V ≥ 2) — over the finished stage modules, and makes the
-model's calls run it: ``model(inputs, targets)`` runs forward and backward of every microbatch in training and
+"1f1b" (megascale's decoupled 1F1B), "interleaved" (V ≥ 2; torch's, receives prefetched) — over the finished
+stage modules, and makes the model's calls run it: ``model(inputs, targets)`` runs forward and backward of every microbatch in training and
 returns the loss (the last stage's mean, broadcast to every stage), already backpropagated; under ``no_grad``
 forward only (validation); ``model(inputs)`` returns the outputs, broadcast from the last stage. The model's
 class is swapped for a subclass whose ``forward`` does that (as ``fully_shard`` swaps classes): code that calls
@@ -33,15 +33,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.pipelining import (
-    PipelineStage,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleLoopedBFS,
-)
+from torch.distributed.pipelining import PipelineStage, ScheduleGPipe, ScheduleLoopedBFS
 from torch.distributed.pipelining._backward import stage_backward
 
 from megascale.core.model.layers import PipelineLayers, pipeline_layers_of
+from megascale.core.parallel.pipeline_interleaved import (
+    ScheduleDecoupledInterleaved1F1B,
+    stream_groups,
+    stream_tag,
+)
 from megascale.core.parallel.plan import SCHEDULES, ParallelPlan, split_blocks
 
 __all__ = [
@@ -165,6 +165,13 @@ class Pipeline:
         self.has_first, self.has_last = 0 in stage_ids, num_stages - 1 in stage_ids
         self.last_rank = dist.get_global_rank(group, (num_stages - 1) % dist.get_world_size(group))
         self.device = device
+        # P2P streams (direction, receiving stage) on their own groups where the backend orders P2P per
+        # communicator and ignores tags (NCCL); on gloo the tags keep them apart (pipeline_interleaved.py)
+        self._stream_groups = (
+            stream_groups(group, len(stage_ids))
+            if len(stage_ids) > 1 and "gloo" not in str(dist.get_backend(group))
+            else {}
+        )
         #: False inside ``ParallelRuntime.no_sync`` (gradient accumulation over steps): the stages reduce no
         #: ZeRO-2/3 gradients (ZeRO-0/1 follow their own no_sync).
         self.sync_gradients = True
@@ -178,6 +185,12 @@ class Pipeline:
         # gets stages and a schedule of its own, built on first use: training, evaluation (loss, no
         # backward) and logits (no loss) batches of other shapes — a last short batch, a generation prompt.
         self._schedules: dict[tuple[str, tuple[int, ...]], Any] = {}
+
+    def stream_group(self, direction: str, receiving_stage: int) -> dist.ProcessGroup | None:
+        """The process group of a P2P stream, or None for the pipeline's own (see ``_LeanStage._stream``)."""
+        if not self._stream_groups:
+            return None
+        return self._stream_groups[(direction, receiving_stage // dist.get_world_size(self.group))]
 
     def _schedule(self, purpose: Literal["train", "eval", "logits"], shape: tuple[int, ...]) -> Any:
         key = (purpose, shape)
@@ -198,7 +211,7 @@ class Pipeline:
                 n = max(d for d in range(1, self.num_microbatches + 1) if shape[0] % d == 0)
                 name = "looped" if len(stages) > 1 else "gpipe"
             if name == "interleaved":
-                self._schedules[key] = ScheduleInterleaved1F1B(stages, n, **kwargs)
+                self._schedules[key] = ScheduleDecoupledInterleaved1F1B(stages, n, **kwargs)
             elif name == "looped":
                 self._schedules[key] = ScheduleLoopedBFS(stages, n, **kwargs)
             elif name == "1f1b":
@@ -320,10 +333,29 @@ class _LeanStage(PipelineStage):
     def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
         if self.is_last:
             return []  # sends nothing; its cache entry may be gone already
-        ops = super().get_fwd_send_ops(fwd_chunk_id)
+        ops = self._stream(super().get_fwd_send_ops(fwd_chunk_id), "F", self.stage_index + 1)
         if not self.has_backward:
             self.fwd_cache.pop(fwd_chunk_id, None)
         return ops
+
+    def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
+        return self._stream(super().get_fwd_recv_ops(fwd_chunk_id), "F", self.stage_index)
+
+    def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
+        return self._stream(super().get_bwd_send_ops(bwd_chunk_id), "B", self.stage_index - 1)
+
+    def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
+        return self._stream(super().get_bwd_recv_ops(bwd_chunk_id), "B", self.stage_index)
+
+    def _stream(self, ops: list[dist.P2POp], direction: str, receiving_stage: int) -> list[dist.P2POp]:
+        """The ops on their stream's tag (and, off gloo, group): schedules that post receives early
+        (``pipeline_interleaved.py``) must not let one stream's data match another's receive."""
+        tag = stream_tag(direction, receiving_stage)
+        group = self.pipeline.stream_group(direction, receiving_stage)
+        return [
+            dist.P2POp(op.op, op.tensor, group=group or op.group, tag=tag, group_peer=op.group_peer)
+            for op in ops
+        ]
 
 
 class _RunsPipeline:
