@@ -3,18 +3,22 @@
 
 Injected on the CPU into the real ``rms_norm`` kernel (available there, ahead of the others): a backend that
 forgets the weight, one whose forward is right and backward wrong, one that raises, and a correct one; the
-real Triton backends (in Triton's CPU interpreter) and SDPA must pass their checks.
+real Triton backends (in Triton's CPU interpreter) and SDPA must pass their checks, also when the first call
+comes under inference mode, autocast or TF32, and ``describe(checks=True)`` reports what each check found.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 
-from megascale.core.kernels import KernelUnavailableError, kernels, registry, rms_norm
+from megascale.core.kernels import KernelUnavailableError, attention, kernels, registry, rms_norm
 from megascale.core.kernels.registry import Backend, Probe
 
 CPU = torch.device("cpu")
@@ -98,12 +102,68 @@ def test_a_wrong_backend_is_skipped_with_a_warning_and_the_reference_runs(
     assert rms_norm.select(CPU).name != "wrong"
 
 
-def test_a_wrong_backend_that_is_forced_is_refused_naming_the_difference(inject: Any) -> None:
+@pytest.mark.parametrize("how", ["argument", "environment"])
+def test_a_wrong_backend_that_is_forced_is_refused_naming_the_difference(
+    inject: Any, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
     inject("wrong", _no_weight)
+    if how == "environment":
+        monkeypatch.setenv(registry.ENV_VAR, "rms_norm=wrong")
     with pytest.raises(
-        KernelUnavailableError, match=r"'wrong'.*failed its check.*differs.*MEGASCALE_KERNEL_CHECK=0"
+        KernelUnavailableError,
+        match=r"'wrong' \(asked by (backend= argument|MEGASCALE_KERNELS='rms_norm=wrong')\).*failed its check"
+        r".*output differs from the torch reference by up to \d.*tolerance 1e-05.*MEGASCALE_KERNEL_CHECK=0",
     ):
-        rms_norm(*_inputs(), 1e-6, backend="wrong")
+        rms_norm(*_inputs(), 1e-6, backend="wrong" if how == "argument" else None)
+
+
+def test_a_failed_check_warns_and_logs_once(inject: Any, caplog: pytest.LogCaptureFixture) -> None:
+    calls = 0
+
+    def wrong(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        return _no_weight(x, weight, eps)
+
+    caplog.set_level(logging.INFO, logger="megascale.core.kernels")
+    inject("wrong", wrong)
+    x, w = _inputs()
+    with pytest.warns(RuntimeWarning, match=r"'rms_norm'.*'wrong'.*by up to .*tolerance 1e-05 \+ 0.0001"):
+        rms_norm(x, w, 1e-6)
+    failures = [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno == logging.WARNING
+        and r.getMessage().startswith("megascale kernel rms_norm, backend wrong")
+    ]
+    assert len(failures) == 1 and "failed its check: its output differs" in failures[0], failures
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no second warning: the verdict is cached
+        for _ in range(3):
+            assert torch.equal(rms_norm(x, w, 1e-6), _reference(x, w, 1e-6))
+    assert calls == 1, "the failing backend was run again after its check"
+
+
+def test_describe_reports_what_the_checks_found(inject: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    inject("wrong", _no_weight)
+    with pytest.warns(RuntimeWarning):
+        report = registry.describe(CPU, checks=True)
+    assert report["rms_norm"].startswith(
+        "torch (wrong failed its check against the torch reference: its output"
+    )
+    assert report["attention"].startswith("sdpa (checked against the torch reference on a cpu probe")
+    assert "largest difference" in report["attention"]
+    assert registry.describe(CPU)["rms_norm"] == "torch"  # the plain form is unchanged
+
+    inject("correct", _reference)
+    assert registry.describe(CPU, checks=True)["rms_norm"].startswith(
+        "correct (checked against the torch reference on a cpu probe, forward and backward: largest difference"
+    )
+    registry.reset()
+    monkeypatch.setenv(registry.CHECK_ENV_VAR, "0")
+    assert (
+        registry.describe(CPU, checks=True)["rms_norm"] == "correct (not checked: MEGASCALE_KERNEL_CHECK=0)"
+    )
 
 
 def test_a_correct_backend_passes_once_and_is_used(inject: Any, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -133,7 +193,60 @@ def test_a_correct_backend_passes_once_and_is_used(inject: Any, monkeypatch: pyt
 def test_the_check_can_be_turned_off(inject: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(registry.CHECK_ENV_VAR, "0")
     inject("wrong", _no_weight)
-    assert rms_norm.select(CPU).name == "wrong"
+    x, w = _inputs()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert rms_norm.select(CPU).name == "wrong"
+        assert torch.equal(
+            rms_norm(x, w, 1e-6, backend="wrong"), _no_weight(x, w, 1e-6)
+        )  # forced: not refused
+    assert not rms_norm._verdicts
+
+
+@pytest.mark.parametrize("context", ["inference_mode", "no_grad", "autocast", "tf32"])
+def test_the_callers_context_does_not_fail_a_correct_backend(context: str) -> None:
+    """The first call of a model often comes from evaluation (inference mode, no grad) or mixed precision: the
+    probe must still check the kernel (SDPA, attention's CPU choice), not the context, and leave it as it was."""
+    q = torch.randn(1, 8, 2, 8)
+    precision = torch.get_float32_matmul_precision()
+    try:
+        with warnings.catch_warnings(), contextlib.ExitStack() as stack:
+            warnings.simplefilter("error")
+            if context == "inference_mode":
+                stack.enter_context(torch.inference_mode())
+            elif context == "no_grad":
+                stack.enter_context(torch.no_grad())
+            elif context == "autocast":
+                stack.enter_context(torch.autocast("cpu", dtype=torch.bfloat16))
+            else:
+                torch.set_float32_matmul_precision("medium")
+            out = attention(q, q, q)
+            assert attention.select(CPU).name == "sdpa"
+            # the context is restored
+            assert torch.is_inference_mode_enabled() == (context == "inference_mode")
+            assert torch.is_grad_enabled() == (context not in ("inference_mode", "no_grad"))
+            assert torch.is_autocast_enabled("cpu") == (context == "autocast")
+            assert torch.get_float32_matmul_precision() == ("medium" if context == "tf32" else precision)
+        assert out.is_inference() == (context == "inference_mode")
+    finally:
+        torch.set_float32_matmul_precision(precision)
+
+
+def test_the_probe_runs_in_full_fp32_precision(inject: Any) -> None:
+    seen = []
+
+    def correct(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        seen.append(torch.get_float32_matmul_precision())
+        return _reference(x, weight, eps)
+
+    precision = torch.get_float32_matmul_precision()
+    inject("correct", correct)
+    try:
+        torch.set_float32_matmul_precision("medium")
+        rms_norm(*_inputs(), 1e-6)
+        assert seen == ["highest", "medium"]  # the check, then the call itself
+    finally:
+        torch.set_float32_matmul_precision(precision)
 
 
 def test_every_real_backend_passes_its_check_on_the_cpu() -> None:

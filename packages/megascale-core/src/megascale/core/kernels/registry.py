@@ -12,8 +12,12 @@ Checked before first use: a backend other than the reference is run once per dev
 (the kernel's ``Probe``: fp32, and on CUDA also bf16) next to the reference, forward and backward; if its
 outputs or gradients disagree beyond the probe's tolerance, or it raises, automatic selection skips it with a
 warning naming the difference (the next candidate, ultimately the reference, runs), and a forced request fails
-with that message. A Triton, flash or apex kernel that only ever ran in CI's CPU interpreter thus never trains
-silently wrong on a user's GPU. ``MEGASCALE_KERNEL_CHECK=0`` turns the check off.
+with that message (the user asked for it explicitly, so silently running something else would be wrong too). A
+Triton, flash or apex kernel that only ever ran in CI's CPU interpreter thus never trains silently wrong on a
+user's GPU. The probe runs in plain numerics whatever the caller's context (outside inference mode, autocast
+off, full-precision fp32 matmuls, no TF32), so a first call made under ``torch.inference_mode()`` or autocast
+checks the kernel, not the context. ``describe(device, checks=True)`` reports each outcome;
+``MEGASCALE_KERNEL_CHECK=0`` turns the check off (forced backends included).
 
 Two checks per backend, because "can run" and "should be picked" differ on some devices:
 ``unavailable(device)`` says why automatic selection skips the backend; ``unavailable_if_forced(device)``
@@ -24,10 +28,11 @@ tests), gives a looser second check: automatic selection passes it by, ``backend
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -114,18 +119,37 @@ def _checks_enabled() -> bool:
     return os.environ.get(CHECK_ENV_VAR, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+@contextlib.contextmanager
+def _plain_numerics(device: torch.device) -> Iterator[None]:
+    """Run the probe as a unit test would, whatever the caller's context: autograd on (also outside inference
+    mode), autocast off, fp32 matmuls in full precision (TF32 alone would exceed the fp32 tolerance)."""
+    precision = torch.get_float32_matmul_precision()
+    cudnn_tf32 = torch.backends.cudnn.allow_tf32
+    try:
+        torch.set_float32_matmul_precision("highest")
+        torch.backends.cudnn.allow_tf32 = False
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.inference_mode(False))
+            stack.enter_context(torch.enable_grad())
+            if torch.amp.is_autocast_available(device.type):
+                stack.enter_context(torch.autocast(device.type, enabled=False))
+            yield
+    finally:
+        torch.set_float32_matmul_precision(precision)
+        torch.backends.cudnn.allow_tf32 = cudnn_tf32
+
+
 def _run(fn: Callable[..., Any], inputs: ProbeInputs, cotangent_seed: int) -> tuple[torch.Tensor, list]:
     args, kwargs, diff = inputs
     args = tuple(
         a.detach().clone().requires_grad_(i in diff) if isinstance(a, torch.Tensor) else a
         for i, a in enumerate(args)
     )
-    with torch.enable_grad():
-        out = fn(*args, **kwargs)
-        gen = torch.Generator().manual_seed(cotangent_seed)
-        cotangent = torch.randn(out.shape, generator=gen).to(device=out.device, dtype=out.dtype)
-        wrt = [args[i] for i in diff]
-        grads = list(torch.autograd.grad(out, wrt, cotangent, allow_unused=True)) if wrt else []
+    out = fn(*args, **kwargs)
+    gen = torch.Generator().manual_seed(cotangent_seed)
+    cotangent = torch.randn(out.shape, generator=gen).to(device=out.device, dtype=out.dtype)
+    wrt = [args[i] for i in diff]
+    grads = list(torch.autograd.grad(out, wrt, cotangent, allow_unused=True)) if wrt else []
     return out.detach(), grads
 
 
@@ -172,40 +196,86 @@ class Kernel:
         return [b.name for b in self.backends]
 
     def verdict(self, backend: Backend, device: torch.device) -> Verdict:
-        """Check ``backend`` against the reference on the probe (once per device type; see the module docstring)."""
+        """Check ``backend`` against the reference on the probe (once per device type; see the module docstring).
+
+        ``detail`` says what was found: the largest differences when it passed, the first one beyond the
+        tolerance (or the exception) when it failed, or why it was not checked."""
         key = (backend.name, device.type)
         if key in self._verdicts:
             return self._verdicts[key]
-        if backend.name == REFERENCE or self.probe is None or not _checks_enabled():
-            return Verdict(True, "not checked")
+        if backend.name == REFERENCE:
+            return Verdict(True, "the reference")
+        if self.probe is None:
+            return Verdict(True, "not checked: the kernel declares no probe")
+        if not _checks_enabled():
+            return Verdict(True, f"not checked: {CHECK_ENV_VAR}=0")
         reference = next(b for b in self.backends if b.name == REFERENCE)
-        worst = f"within tolerance on {device.type}"
-        verdict = Verdict(True, worst)
-        try:
+        verdict = None
+        largest = []
+        with _plain_numerics(device):
             for dtype in self.probe.dtypes(device):
                 rtol, atol = self.probe.tolerance[dtype]
-                inputs = self.probe.make(device, dtype, torch.Generator().manual_seed(0))
-                got, got_grads = _run(backend.fn, inputs, cotangent_seed=1)
-                want, want_grads = _run(reference.fn, inputs, cotangent_seed=1)
+                try:  # a probe that cannot be built, or that the reference cannot run, verifies nothing
+                    inputs = self.probe.make(device, dtype, torch.Generator().manual_seed(0))
+                    want, want_grads = _run(reference.fn, inputs, cotangent_seed=1)
+                except Exception as exc:
+                    verdict = Verdict(
+                        False,
+                        f"its probe failed on the torch reference itself ({_exc(exc)}) on {device.type}",
+                    )
+                    break
+                # a kernel that cannot even run the probe is as wrong as one that disagrees
+                try:
+                    got, got_grads = _run(backend.fn, inputs, cotangent_seed=1)
+                except Exception as exc:
+                    verdict = Verdict(
+                        False, f"it raised {_exc(exc)} on a {device.type} probe in {_name(dtype)}"
+                    )
+                    break
                 names = ["output"] + [f"gradient of input {i}" for i in inputs[2]]
-                for what, g, w in zip(names, [got, *got_grads], [want, *want_grads]):
+                worst = 0.0
+                for what, g, w in zip(names, [got, *got_grads], [want, *want_grads], strict=True):
                     beyond, diff = _excess(g, w, rtol, atol)
+                    worst = max(worst, diff)
                     if beyond > 0:
                         verdict = Verdict(
                             False,
-                            f"its {what} differs from the torch reference by up to {diff:.3g} in {dtype} "
+                            f"its {what} differs from the torch reference by up to {diff:.3g} in {_name(dtype)} "
                             f"(tolerance {atol:g} + {rtol:g}·|reference|) on a {device.type} probe",
                         )
                         break
-                if not verdict.passed:
+                if verdict is not None:
                     break
-        except Exception as exc:  # a kernel that cannot even run the probe is as wrong as one that disagrees
-            verdict = Verdict(False, f"it raised {type(exc).__name__}: {exc} on a {device.type} probe")
+                largest.append(f"{worst:.3g} in {_name(dtype)} within {atol:g} + {rtol:g}·|reference|")
+        if verdict is None:
+            verdict = Verdict(
+                True,
+                f"checked against the torch reference on a {device.type} probe, forward and backward: largest "
+                f"difference {', '.join(largest)}",
+            )
         self._verdicts[key] = verdict
-        log.info(
-            "megascale kernel %s, backend %s on %s: %s", self.name, backend.name, device.type, verdict.detail
+        log.log(
+            logging.INFO if verdict.passed else logging.WARNING,
+            "megascale kernel %s, backend %s on %s: %s",
+            self.name,
+            backend.name,
+            device.type,
+            verdict.detail if verdict.passed else f"failed its check: {verdict.detail}",
         )
         return verdict
+
+    def explain(self, device: torch.device | str, backend: str | None = None) -> str:
+        """The backend that runs on ``device`` and what its check found, plus the backends that failed theirs,
+        e.g. "torch (triton failed its check against the torch reference: its output differs ...)"."""
+        device = torch.device(device)
+        chosen = self.select(device, backend)
+        notes = [] if chosen.name == REFERENCE else [self.verdict(chosen, device).detail]
+        notes += [
+            f"{b.name} failed its check against the torch reference: {v.detail}"
+            for b in self.backends
+            if (v := self._verdicts.get((b.name, device.type))) is not None and not v.passed
+        ]
+        return chosen.name + (f" ({'; '.join(notes)})" if notes else "")
 
     def select(self, device: torch.device | str, backend: str | None = None) -> Backend:
         """The backend that runs on ``device``: the forced one, else the first available. Cached."""
@@ -240,7 +310,7 @@ class Kernel:
                     reason = f"failed its check against the torch reference: {verdict.detail}"
                     warnings.warn(
                         f"megascale kernel {self.name!r}: backend {candidate.name!r} is not used on {device.type}: "
-                        f"{verdict.detail}. Falling back to the next backend.",
+                        f"{verdict.detail}. Falling back to the next backend ({CHECK_ENV_VAR}=0 skips the check).",
                         RuntimeWarning,
                         stacklevel=3,
                     )
@@ -249,12 +319,15 @@ class Kernel:
                     break
                 skipped.append(f"{candidate.name}: {reason}")
             assert chosen is not None, f"kernel {self.name!r} has no backend that runs on {device.type}"
+            notes = [f"skipped {'; '.join(skipped)}"] if skipped else []
+            if chosen.name != REFERENCE:
+                notes.append(self.verdict(chosen, device).detail)
             log.info(
                 "megascale kernel %s on %s: %s%s",
                 self.name,
                 device.type,
                 chosen.name,
-                f" (skipped {'; '.join(skipped)})" if skipped else "",
+                f" ({'; '.join(notes)})" if notes else "",
             )
         self._chosen[key] = chosen
         return chosen
@@ -285,15 +358,26 @@ def reset() -> None:
         k._verdicts.clear()
 
 
-def describe(device: torch.device | str = "cpu") -> dict[str, str]:
-    """Which backend each kernel runs on ``device``, e.g. {"attention": "sdpa", ...}."""
+def describe(device: torch.device | str = "cpu", *, checks: bool = False) -> dict[str, str]:
+    """Which backend each kernel runs on ``device``, e.g. {"attention": "sdpa", ...}; with ``checks``, also what
+    its check against the reference found and which faster backends failed theirs (``Kernel.explain``)."""
     out = {}
     for name, k in sorted(_KERNELS.items()):
         try:
-            out[name] = k.select(device).name
+            out[name] = k.explain(device) if checks else k.select(device).name
         except KernelUnavailableError as exc:
             out[name] = f"error: {exc}"
     return out
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _exc(exc: BaseException) -> str:
+    """The exception on one short line (a Triton compile error can run to pages)."""
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return f"{type(exc).__name__}: {first[:200]}{'...' if len(first) > 200 else ''}"
 
 
 def _forced_by_env(kernel: Kernel) -> tuple[str | None, str]:

@@ -72,9 +72,9 @@
 # stages are not wrapped at all. The bubble fraction of a rank over a step window [t0, t1] is
 # 1 - (time inside [t0, t1] covered by that rank's computations) / (t1 - t0).
 #
-# Not done: the same decoupling for the interleaved (virtual-stage) schedule. torch's
-# ScheduleInterleaved1F1B already posts sends and receives as separate actions (its runtime plans SEND_F /
-# RECV_F / SEND_B / RECV_B), so the gap there is receive prefetching only.
+# The interleaved (virtual-stage) schedule: torch's ScheduleInterleaved1F1B already posts sends and receives as
+# separate actions (its runtime plans SEND_F / RECV_F / SEND_B / RECV_B) and waits sends only at the end;
+# pipeline_interleaved.py adds the receive prefetching (ScheduleDecoupledInterleaved1F1B).
 
 from __future__ import annotations
 
