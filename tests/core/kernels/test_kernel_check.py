@@ -262,3 +262,27 @@ def test_every_real_backend_passes_its_check_on_the_cpu() -> None:
             assert verdict.passed, f"{name}/{backend.name}: {verdict.detail}"
             checked += 1
     assert checked >= 7  # six Triton kernels and SDPA
+
+
+def test_a_first_call_inside_activation_checkpointing_is_checked_apart_from_it() -> None:
+    """The probe's own autograd must not run inside the caller's checkpointed forward (its saved-tensor hooks
+    and recomputation state are the caller's): it runs on a thread of its own."""
+    import warnings
+
+    from torch import nn
+    from torch.distributed._composable import checkpoint
+
+    from megascale.core.kernels import attention
+
+    class Core(nn.Module):
+        def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return attention(q, k, v)
+
+    core = checkpoint(Core())
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 8, 2, 16, generator=gen, requires_grad=True) for _ in range(3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a failed check would warn
+        core(q, k, v).square().sum().backward()
+    assert attention.select(CPU).name == "sdpa"
+    assert q.grad is not None and torch.isfinite(q.grad).all()

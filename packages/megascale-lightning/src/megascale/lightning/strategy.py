@@ -152,6 +152,7 @@ class MegaScaleStrategy(ParallelStrategy):
         self._runtime: ParallelRuntime | None = None
         self._pipeline_loop: PipelineLoop | None = None
         self._wait_after_step = False  # ZeRO-1: hooks between steps read weights (see setup)
+        self._rng_to_restore: dict[str, Any] | None = None  # dropout streams of a resumed checkpoint
 
     # ---- layout -------------------------------------------------------------------------------------
 
@@ -319,6 +320,9 @@ class MegaScaleStrategy(ParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._rng_to_restore is not None:
+            self._restore_rng(self._rng_to_restore)
+            self._rng_to_restore = None
         with self.precision_plugin.train_step_context():
             if self._pipeline_loop is None:
                 return self._redirected("training_step", *args, **kwargs)
@@ -468,7 +472,9 @@ class MegaScaleStrategy(ParallelStrategy):
             before_optimizer_state=self.runtime.zero.prepare_optimizer_state,
             holds_all_states=self._holds_all_states,
         )  # fmt: skip
-        self._restore_rng(checkpoint.pop(RNG_KEY, None))
+        # restored at the first training step, not now: Lightning creates the data iterator in between, which
+        # draws from the default generator (DataLoader's base seed) where the saved run had drawn long before
+        self._rng_to_restore = checkpoint.pop(RNG_KEY, None)
         return checkpoint
 
     def _rng_states(self) -> dict[str, Any] | None:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -195,20 +196,11 @@ class Kernel:
     def backend_names(self) -> list[str]:
         return [b.name for b in self.backends]
 
-    def verdict(self, backend: Backend, device: torch.device) -> Verdict:
-        """Check ``backend`` against the reference on the probe (once per device type; see the module docstring).
-
-        ``detail`` says what was found: the largest differences when it passed, the first one beyond the
-        tolerance (or the exception) when it failed, or why it was not checked."""
-        key = (backend.name, device.type)
-        if key in self._verdicts:
-            return self._verdicts[key]
-        if backend.name == REFERENCE:
-            return Verdict(True, "the reference")
-        if self.probe is None:
-            return Verdict(True, "not checked: the kernel declares no probe")
-        if not _checks_enabled():
-            return Verdict(True, f"not checked: {CHECK_ENV_VAR}=0")
+    def _check(self, backend: Backend, device: torch.device) -> Verdict:
+        """Run the probe through ``backend`` and the reference and compare (``verdict`` runs this)."""
+        assert self.probe is not None
+        if device.type == "cuda" and device.index is not None:
+            torch.cuda.set_device(device.index)  # a new thread starts on the default device
         reference = next(b for b in self.backends if b.name == REFERENCE)
         verdict = None
         largest = []
@@ -253,6 +245,32 @@ class Kernel:
                 f"checked against the torch reference on a {device.type} probe, forward and backward: largest "
                 f"difference {', '.join(largest)}",
             )
+        return verdict
+
+    def verdict(self, backend: Backend, device: torch.device) -> Verdict:
+        """Check ``backend`` against the reference on the probe (once per device type; see the module docstring).
+
+        ``detail`` says what was found: the largest differences when it passed, the first one beyond the
+        tolerance (or the exception) when it failed, or why it was not checked."""
+        key = (backend.name, device.type)
+        if key in self._verdicts:
+            return self._verdicts[key]
+        if backend.name == REFERENCE:
+            return Verdict(True, "the reference")
+        if self.probe is None:
+            return Verdict(True, "not checked: the kernel declares no probe")
+        if not _checks_enabled():
+            return Verdict(True, f"not checked: {CHECK_ENV_VAR}=0")
+        # On a thread of its own: the first call may come from anywhere — inside an activation-checkpointed
+        # forward (whose saved-tensor hooks and recomputation state would capture the probe's autograd), under
+        # inference_mode, no_grad, autocast or a dispatch mode — all thread-local, none seen by a new thread.
+        found: list[Verdict] = []
+        thread = threading.Thread(
+            target=lambda: found.append(self._check(backend, device)), name=f"megascale-check-{self.name}"
+        )
+        thread.start()
+        thread.join()
+        verdict = found[0] if found else Verdict(False, f"its check crashed on {device.type} (see the log)")
         self._verdicts[key] = verdict
         log.log(
             logging.INFO if verdict.passed else logging.WARNING,
