@@ -176,7 +176,7 @@ class FaultTolerance(Callback):
         rng_key = f"rng_rank{trainer.global_rank}"
         saved_world = strategy.broadcast(self._saved_world_size(step) if trainer.is_global_zero else None)
         if saved_world == trainer.world_size:
-            state[rng_key] = _rng_state()
+            state[rng_key] = _rng_state(strategy)
         else:
             warnings.warn(
                 f"FaultTolerance: the checkpoint of step {step} was written by {saved_world} ranks, this run "
@@ -229,7 +229,7 @@ class FaultTolerance(Callback):
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
     ) -> None:
         if self._rng_to_restore is not None:
-            _set_rng_state(self._rng_to_restore)
+            _set_rng_state(self._rng_to_restore, trainer.strategy)
             self._rng_to_restore = None
         if self._capture is not None:
             self._snapshot(trainer)
@@ -279,7 +279,7 @@ class FaultTolerance(Callback):
         state = {
             "weights": _weights(trainer),
             "lightning": lightning_state,
-            f"rng_rank{trainer.global_rank}": _rng_state(),
+            f"rng_rank{trainer.global_rank}": _rng_state(trainer.strategy),
         }
         with self.executor.timer.section("checkpoint"):
             self.checkpointer.save(step, state)
@@ -447,13 +447,18 @@ def _from_json(value: Any) -> Any:
 
 
 # --- random number generators -----------------------------------------------------------------------------
-def _rng_state() -> dict[str, Any]:
-    """This rank's generators, as tensors (DCP, read back by this rank only) and a few numbers."""
+def _rng_state(strategy: Any = None) -> dict[str, Any]:
+    """This rank's generators, as tensors (DCP, read back by this rank only) and a few numbers; with a strategy
+    that keeps model-parallel dropout streams (MegaScaleStrategy under tp/pp), those too."""
     version, internal, gauss = random.getstate()
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
         "python": {"version": version, "state": torch.tensor(internal, dtype=torch.int64), "gauss": gauss},
     }
+    streams = getattr(strategy, "random_streams_state", None)
+    model_parallel = streams() if callable(streams) else None
+    if model_parallel is not None:
+        state["model_parallel"] = model_parallel
     if torch.cuda.is_available():
         state["cuda"] = list(torch.cuda.get_rng_state_all())
     try:
@@ -468,8 +473,10 @@ def _rng_state() -> dict[str, Any]:
     return state
 
 
-def _set_rng_state(state: dict[str, Any]) -> None:
+def _set_rng_state(state: dict[str, Any], strategy: Any = None) -> None:
     torch.set_rng_state(state["torch"])
+    if "model_parallel" in state:
+        strategy.load_random_streams_state(state["model_parallel"])
     python = state["python"]
     random.setstate((python["version"], tuple(python["state"].tolist()), python["gauss"]))
     if "cuda" in state:

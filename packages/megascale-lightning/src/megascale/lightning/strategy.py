@@ -477,6 +477,17 @@ class MegaScaleStrategy(ParallelStrategy):
         self._rng_to_restore = checkpoint.pop(RNG_KEY, None)
         return checkpoint
 
+    def random_streams_state(self) -> dict[str, Tensor] | None:
+        """This rank's model-parallel dropout streams (``megascale.core.parallel.rng``; None with tp = pp = 1),
+        for a checkpointer of your own (megascale-ft saves them with each rank's generators)."""
+        rng = self.runtime.rng
+        return None if rng is None else rng.state_dict()
+
+    def load_random_streams_state(self, state: dict[str, Tensor]) -> None:
+        """Continue this rank's dropout streams from ``random_streams_state()`` of the same rank and layout."""
+        if self.runtime.rng is not None:
+            self.runtime.rng.load_state_dict(state)
+
     def _rng_states(self) -> dict[str, Any] | None:
         """Every rank's dropout streams (``megascale.core.parallel.rng``), for rank 0 to save with the rest."""
         rng = self.runtime.rng

@@ -39,7 +39,7 @@ from torch.distributed.pipelining._backward import stage_backward
 from megascale.core.model.layers import PipelineLayers, pipeline_layers_of
 from megascale.core.parallel.pipeline_interleaved import (
     ScheduleDecoupledInterleaved1F1B,
-    stream_groups,
+    stream_p2p_groups,
     stream_tag,
 )
 from megascale.core.parallel.plan import SCHEDULES, ParallelPlan, split_blocks
@@ -168,7 +168,7 @@ class Pipeline:
         # P2P streams (direction, receiving stage) on their own groups where the backend orders P2P per
         # communicator and ignores tags (NCCL); on gloo the tags keep them apart (pipeline_interleaved.py)
         self._stream_groups = (
-            stream_groups(group, len(stage_ids))
+            stream_p2p_groups(group, num_stages)
             if len(stage_ids) > 1 and "gloo" not in str(dist.get_backend(group))
             else {}
         )
@@ -188,9 +188,7 @@ class Pipeline:
 
     def stream_group(self, direction: str, receiving_stage: int) -> dist.ProcessGroup | None:
         """The process group of a P2P stream, or None for the pipeline's own (see ``_LeanStage._stream``)."""
-        if not self._stream_groups:
-            return None
-        return self._stream_groups[(direction, receiving_stage // dist.get_world_size(self.group))]
+        return self._stream_groups.get((direction, receiving_stage))
 
     def _schedule(self, purpose: Literal["train", "eval", "logits"], shape: tuple[int, ...]) -> Any:
         key = (purpose, shape)
@@ -211,6 +209,8 @@ class Pipeline:
                 n = max(d for d in range(1, self.num_microbatches + 1) if shape[0] % d == 0)
                 name = "looped" if len(stages) > 1 else "gpipe"
             if name == "interleaved":
+                if self._stream_groups:  # off gloo: one set of per-stream groups, shared by every schedule
+                    kwargs["p2p_groups"] = self._stream_groups
                 self._schedules[key] = ScheduleDecoupledInterleaved1F1B(stages, n, **kwargs)
             elif name == "looped":
                 self._schedules[key] = ScheduleLoopedBFS(stages, n, **kwargs)

@@ -74,7 +74,8 @@
 #
 # The interleaved (virtual-stage) schedule: torch's ScheduleInterleaved1F1B already posts sends and receives as
 # separate actions (its runtime plans SEND_F / RECV_F / SEND_B / RECV_B) and waits sends only at the end;
-# pipeline_interleaved.py adds the receive prefetching (ScheduleDecoupledInterleaved1F1B).
+# pipeline_interleaved.py (ScheduleDecoupledInterleaved1F1B) prefetches its receives, one P2P tag (gloo) or
+# group (other backends) per stream, and records its waits here too (it reuses _post, _SendQueue, _timed_wait).
 
 from __future__ import annotations
 
@@ -83,7 +84,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -104,10 +105,17 @@ __all__ = [
 ]
 
 # Event kinds a ScheduleTimeline records. Computations: F (forward), B (full backward), I (input-gradient
-# backward of a zero-bubble schedule), W (weight-gradient backward). Communication, ScheduleDecoupled1F1B
+# backward of a zero-bubble schedule), W (weight-gradient backward). Communication, the decoupled schedules
 # only: wait_recv_F / wait_recv_B (blocked on activations / gradients arriving), wait_send_F / wait_send_B
 # (blocked on own activation / gradient send), post_recv_F / post_recv_B (instant: a receive was posted).
 COMPUTE_KINDS = frozenset({"F", "B", "I", "W"})
+
+
+class _Recording(Protocol):
+    """A schedule that records its communication on a timeline (ScheduleDecoupled1F1B and
+    pipeline_interleaved.ScheduleDecoupledInterleaved1F1B): ``timeline`` is set by ScheduleTimeline.attach."""
+
+    timeline: ScheduleTimeline | None
 
 
 @dataclass(frozen=True)
@@ -138,7 +146,8 @@ class ScheduleTimeline:
         bubble = timeline.bubble_fraction(t0, t1)
 
     Works with any torch pipeline schedule (computations are recorded by wrapping the stage methods the
-    schedules call); ScheduleDecoupled1F1B also records its communication waits. Timestamps come from
+    schedules call); the decoupled schedules (ScheduleDecoupled1F1B, and ScheduleDecoupledInterleaved1F1B in
+    pipeline_interleaved.py) also record their communication waits. Timestamps come from
     ``clock`` (``time.perf_counter``: comparable across processes of one host on Linux, not across hosts).
     ``synchronize`` (e.g. ``torch.cuda.synchronize``), if given, is called before each timestamp of a
     computation, so that on an asynchronous device the interval covers execution rather than the kernel
@@ -154,7 +163,7 @@ class ScheduleTimeline:
         self.synchronize = synchronize
         self.events: list[TimelineEvent] = []
         self._wrapped: list[tuple[object, str]] = []
-        self._schedules: list[Any] = []
+        self._schedules: list[_Recording] = []
 
     def record(
         self, kind: str, start: float, end: float, microbatch: int | None = None, stage: int | None = None
@@ -176,7 +185,7 @@ class ScheduleTimeline:
         self.events.clear()
 
     def attach(self, schedule: Any) -> ScheduleTimeline:
-        """Start recording ``schedule``'s computations (and, for ScheduleDecoupled1F1B, its waits).
+        """Start recording ``schedule``'s computations (and, for the decoupled schedules, their waits).
 
         Wraps the ``forward_one_chunk`` / ``backward_one_chunk`` / ``backward_weight_one_chunk`` methods of
         the schedule's stage(s) with instance attributes; :meth:`detach` (or leaving a ``with`` block on the
@@ -193,7 +202,7 @@ class ScheduleTimeline:
             for name in self._WRAPPED:
                 setattr(stage, name, self._wrap(getattr(stage, name), name, stage.stage_index))
                 self._wrapped.append((stage, name))
-        if isinstance(schedule, ScheduleDecoupled1F1B):
+        if hasattr(schedule, "timeline"):  # a schedule that records its waits (see _Recording)
             schedule.timeline = self
             self._schedules.append(schedule)
         return self
@@ -309,7 +318,7 @@ class _RecvStream:
         n: int,
         lookahead: int,
         direction: str,
-        schedule: ScheduleDecoupled1F1B,
+        schedule: _Recording,
         stage_index: int,
     ) -> None:
         self._get_ops, self._group, self._n, self._lookahead = get_ops, group, n, lookahead
@@ -342,7 +351,7 @@ class _RecvStream:
 class _SendQueue:
     """Outstanding sends of one direction, waited oldest first: at the end, or past ``limit`` of them."""
 
-    def __init__(self, limit: int, direction: str, schedule: ScheduleDecoupled1F1B, stage_index: int) -> None:
+    def __init__(self, limit: int, direction: str, schedule: _Recording, stage_index: int) -> None:
         self._limit, self._direction, self._schedule, self._stage_index = (
             limit,
             direction,
@@ -361,14 +370,17 @@ class _SendQueue:
         while self._pending:
             self._wait_oldest()
 
+    def wait_through(self, mb: int) -> None:
+        """Wait the pending sends of microbatches up to ``mb`` (pushed in microbatch order)."""
+        while self._pending and self._pending[0][0] <= mb:
+            self._wait_oldest()
+
     def _wait_oldest(self) -> None:
         mb, works = self._pending.popleft()
         _timed_wait(works, self._schedule, f"wait_send_{self._direction}", mb, self._stage_index)
 
 
-def _timed_wait(
-    works: list[dist.Work], schedule: ScheduleDecoupled1F1B, name: str, mb: int, stage: int
-) -> None:
+def _timed_wait(works: list[dist.Work], schedule: _Recording, name: str, mb: int, stage: int) -> None:
     """Wait for ``works``; the time blocked goes on the schedule's timeline (when recording) as ``name``."""
     tl = schedule.timeline
     start = tl.clock() if tl is not None else 0.0
