@@ -18,11 +18,20 @@ Recipe (the same for both optimizers, so that the only difference is LAMB's per-
     betas (0.9, 0.95), eps 1e-8, decoupled weight decay 0.1 on matrices (not on norms), global gradient
     clipping at 1.0, linear warmup then cosine decay to 10% of the peak rate. Warmup lasts the same number of
     STEPS at every batch size (You et al.'s "linear-epoch warmup": the warmup's share of training grows with
-    the batch, e.g. 5% at B, 20% at 4B, 40% at 8B).
-    Learning rates: AdamW at B sweeps --adamw-lrs. At k·B both optimizers follow the square-root rule (You et
-    al. for LAMB; Malladi et al. 2022 for Adam): AdamW sweeps best(B)·√k·{½, 1, 2} (the 2 reaches the linear
-    rule at k=4); LAMB sweeps --lamb-lrs at the smallest k and best(previous k)·√(k/k_prev)·{½, 1, 2} above.
-    The best rate of each configuration (seed 0) is re-run with seeds 1.. (--seeds) for the spread.
+    the batch, here 5% at B, 20% at 4B, 40% at 8B). LAMB is megascale.core.optim.LAMB with its defaults
+    otherwise (bias correction, trust ratio clamped at 10, also on norm weights).
+    Learning rates: AdamW at B sweeps --adamw-lrs. At k·B both optimizers centre their sweep on the
+    square-root rule (You et al. for LAMB; Malladi et al. 2022 for Adam): AdamW sweeps best(B)·√k·{¼, ½, 1, 2}
+    (at k=4 that spans half of B's rate, B's own rate, the √ rule and the linear rule); LAMB sweeps --lamb-lrs
+    at the smallest k and best(previous k)·√(k/k_prev)·{¼, ½, 1, 2} above. The best rate of each
+    configuration (seed 0) is re-run with seeds 1.. (--seeds; another initialisation and another draw of
+    training windows) for the spread.
+
+Size. Every configuration needs its own sweep, so the default is small enough for ~30 runs in ~10 minutes on
+two shared CPU cores: a GPT of d=64, 4 layers, 4 heads (0.30 M parameters), sequences of 64 bytes, B = 8
+sequences (512 tokens), 640 steps at B = 328 k tokens per run (160 steps at 4B, 80 at 8B). One torch thread:
+on a machine shared with other work, two threads on two cores stalled on every small matmul (measured
+14-250x slower); the comparison is of losses, and wall times are only indicative.
 
 Reported per configuration: optimizer, batch, rate, warmup, steps, tokens, validation loss (seed 0 and over
 seeds), wall time; and the ratios to AdamW at B (validation loss and steps), and how much of AdamW's large-
@@ -170,6 +179,7 @@ def train(
     tail = losses[-max(1, steps // 10) :]
     return {
         "optimizer": optimizer,
+        "parameters": model.num_parameters(),
         "k": k,
         "batch": batch,
         "tokens_per_step": batch * args.seq_len,
@@ -212,25 +222,31 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--batch", type=int, default=8, help="B: AdamW's baseline batch, in sequences")
-    parser.add_argument("--steps", type=int, default=800, help="steps at B; the budget is steps·B·seq tokens")
-    parser.add_argument("--warmup", type=int, default=40, help="warmup steps, the same at every batch size")
+    parser.add_argument("--steps", type=int, default=640, help="steps at B; the budget is steps·B·seq tokens")
+    parser.add_argument("--warmup", type=int, default=32, help="warmup steps, the same at every batch size")
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--d-model", type=int, default=64)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--multiples", type=int, nargs="+", default=[4, 8], help="the k of the k·B batches")
-    parser.add_argument("--adamw-lrs", type=float, nargs="+", default=[2e-3, 4e-3, 8e-3], help="sweep at B")
     parser.add_argument(
-        "--lamb-lrs", type=float, nargs="+", default=[1e-2, 2e-2, 4e-2], help="sweep at the smallest k·B"
+        "--adamw-lrs", type=float, nargs="+", default=[2.5e-3, 5e-3, 1e-2, 2e-2], help="sweep at B"
+    )
+    parser.add_argument(
+        "--lamb-lrs",
+        type=float,
+        nargs="+",
+        default=[1e-2, 2e-2, 4e-2, 8e-2],
+        help="sweep at the smallest k·B",
     )
     parser.add_argument(
         "--around",
         type=float,
         nargs="+",
-        default=[0.5, 1.0, 2.0],
+        default=[0.25, 0.5, 1.0, 2.0],
         help="factors around a √k-scaled best rate",
     )
-    parser.add_argument("--seeds", type=int, default=2, help="seeds for the best rate of each configuration")
+    parser.add_argument("--seeds", type=int, default=3, help="seeds for the best rate of each configuration")
     parser.add_argument("--corpus-mb", type=float, default=2.0, help="training text read (MiB)")
     parser.add_argument("--val-windows", type=int, default=512, help="held-out windows in the validation set")
     parser.add_argument(
@@ -264,14 +280,14 @@ def main(argv: list[str] | None = None) -> int:
         },
     }
     budget = args.steps * args.batch * args.seq_len
+    warm = train(args, data, "adamw", 1, 0.0, seed=0, steps=1)  # untimed: one-off costs (kernel checks, ...)
     print(
-        f"GPT d={args.d_model}, {args.layers} layers, {args.heads} heads, seq {args.seq_len}, byte tokens of the "
-        f"stdlib corpus ({len(train_tokens):,} training / {n_val * args.seq_len:,} validation tokens); "
-        f"{budget:,} training tokens per run, B = {args.batch} sequences; torch threads {torch.get_num_threads()}",
+        f"GPT d={args.d_model}, {args.layers} layers, {args.heads} heads ({warm['parameters']:,} parameters), "
+        f"seq {args.seq_len}, byte tokens of the stdlib corpus ({len(train_tokens):,} training / "
+        f"{n_val * args.seq_len:,} validation tokens); {budget:,} training tokens per run, B = {args.batch} "
+        f"sequences; torch threads {torch.get_num_threads()}",
         flush=True,
     )
-
-    train(args, data, "adamw", 1, 0.0, seed=0, steps=1)  # untimed: one-off costs (kernel checks, allocator)
     runs: list[dict] = []
 
     def sweep(optimizer: str, k: int, rates: list[float]) -> dict:
@@ -374,7 +390,12 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.json:
         settings = {key: value for key, value in vars(args).items() if key != "json"}
-        settings.update(machine=platform.machine(), torch=torch.__version__, threads=torch.get_num_threads())
+        settings.update(
+            parameters=warm["parameters"],
+            machine=platform.machine(),
+            torch=torch.__version__,
+            threads=torch.get_num_threads(),
+        )
         out = {"settings": settings, "summary": summary, "gaps": gaps, "runs": runs}
         Path(args.json).write_text(json.dumps(_finite_or_none(out), indent=1) + "\n")
     return 0
