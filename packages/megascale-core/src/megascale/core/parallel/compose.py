@@ -178,6 +178,7 @@ def parallelize(
 
         assert pipelined is not None
         pipeline = build_pipeline(pipelined, stages, mesh["pp"], plan, device=device)
+        pipeline.rng = rng
     if notes and dist.get_rank() == 0:
         for note in notes:
             warnings.warn(note, stacklevel=2)

@@ -26,7 +26,8 @@ class is swapped for a subclass whose ``forward`` does that (as ``fully_shard`` 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, Literal
 
 import torch
@@ -43,6 +44,7 @@ from megascale.core.parallel.pipeline_interleaved import (
     stream_tag,
 )
 from megascale.core.parallel.plan import SCHEDULES, ParallelPlan, split_blocks
+from megascale.core.parallel.rng import ModelParallelRNG
 
 __all__ = [
     "SCHEDULES",
@@ -172,6 +174,8 @@ class Pipeline:
             if len(stage_ids) > 1 and "gloo" not in str(dist.get_backend(group))
             else {}
         )
+        #: the run's dropout streams (set by ``parallelize``), kept out of the stages' shape inference
+        self.rng: ModelParallelRNG | None = None
         #: False inside ``ParallelRuntime.no_sync`` (gradient accumulation over steps): the stages reduce no
         #: ZeRO-2/3 gradients (ZeRO-0/1 follow their own no_sync).
         self.sync_gradients = True
@@ -185,6 +189,16 @@ class Pipeline:
         # gets stages and a schedule of its own, built on first use: training, evaluation (loss, no
         # backward) and logits (no loss) batches of other shapes — a last short batch, a generation prompt.
         self._schedules: dict[tuple[str, tuple[int, ...]], Any] = {}
+
+    @contextmanager
+    def random_streams_untouched(self) -> Iterator[None]:
+        """Whatever is drawn inside leaves the default generator and the tensor-parallel stream as they were."""
+        rng = self.rng
+        saved = rng.state_dict() if rng is not None else None
+        with torch.random.fork_rng(devices=[self.device] if self.device.type != "cpu" else []):
+            yield
+        if rng is not None and saved is not None:
+            rng.load_state_dict(saved)
 
     def stream_group(self, direction: str, receiving_stage: int) -> dist.ProcessGroup | None:
         """The process group of a P2P stream, or None for the pipeline's own (see ``_LeanStage._stream``)."""
@@ -298,6 +312,17 @@ class _LeanStage(PipelineStage):
 
     def _syncs(self) -> bool:
         return self.pipeline.sync_gradients
+
+    # torch infers the stages' shapes by running a real forward (and backward) of the first microbatch, once
+    # per process: its dropout must not draw from the run's random streams, or a run restarted from a
+    # checkpoint (which infers again, mid-run) would draw other masks than the uninterrupted one.
+    def _prepare_forward_infra(self, *args: Any, **kwargs: Any) -> Any:
+        with self.pipeline.random_streams_untouched():
+            return super()._prepare_forward_infra(*args, **kwargs)
+
+    def _prepare_backward_infra(self, *args: Any, **kwargs: Any) -> Any:
+        with self.pipeline.random_streams_untouched():
+            return super()._prepare_backward_infra(*args, **kwargs)
 
     def backward_maybe_with_nosync(
         self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False
