@@ -48,3 +48,34 @@ class LayeredLM(nn.Module):
             x = block(x)
         logits = self.head(x)
         return logits if targets is None else self.pipeline_loss(logits, targets)
+
+
+class MLPBlock(nn.Module):
+    """A pre-norm residual MLP block: a user's own layer, no megascale parts."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 2 * width)
+        self.down = nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+def full_weights(model: nn.Module, exclude: str | None = None) -> dict[str, torch.Tensor]:
+    """Every weight of ``model`` whole (float32 copies), gathered from every rank: tensor-parallel shards
+    joined, pipeline stages' layers united; names containing ``exclude`` left out."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    weights = {k: v.detach().float().clone() for k, v in state.items() if exclude is None or exclude not in k}
+    if dist.is_initialized():  # pipeline ranks hold different layers: the model is the union
+        parts: list[dict[str, torch.Tensor] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, weights)
+        for part in parts:
+            assert part is not None
+            for k, v in part.items():
+                weights.setdefault(k, v)
+    return weights

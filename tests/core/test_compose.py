@@ -20,13 +20,12 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from megascale.core import GPT, GPTConfig
 from megascale.core.parallel import ParallelPlan, clip_grad_norm_, materialize, parallelize
 from tests._dist import run_distributed
-from tests._models import Head, LayeredLM
+from tests._models import Head, LayeredLM, MLPBlock, full_weights
 from tests.core._tiny import TINY_GQA_GPT
 
 WEIGHT_TOL = 1e-6
@@ -38,24 +37,11 @@ BATCH = 8  # sequences per step, split over dp
 SEQ = 8
 
 
-class Block(nn.Module):
-    """A pre-norm residual MLP block: the test's own layer, no megascale parts."""
-
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.up = nn.Linear(width, 2 * width)
-        self.down = nn.Linear(2 * width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(F.gelu(self.up(self.norm(x))))
-
-
 class TinyLM(LayeredLM):
     """Embedding, a ModuleList of residual MLP blocks, a head: joins pipelines by listing its layers."""
 
     def __init__(self, vocab: int = 64, width: int = 32, layers: int = 4) -> None:
-        super().__init__(vocab, width, [Block(width) for _ in range(layers)], Head(width, vocab))
+        super().__init__(vocab, width, [MLPBlock(width) for _ in range(layers)], Head(width, vocab))
 
 
 def _build(kind: str) -> nn.Module:
@@ -73,17 +59,7 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _full_weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    weights = {k: v.detach().float().clone() for k, v in state.items() if "rope" not in k}
-    if dist.is_initialized():  # pipeline ranks hold different layers: the model is the union
-        parts: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, weights)
-        for part in parts:
-            for k, v in part.items():
-                weights.setdefault(k, v)
-    return weights
+    return full_weights(model, exclude="rope")
 
 
 def _train(model: nn.Module, runtime: Any, dp_rank: int, dp: int, pipelined: bool) -> list[float]:

@@ -20,14 +20,12 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from megascale.core.comm_meter import CollectiveMeter
 from megascale.core.parallel import ParallelPlan, materialize, parallelize
 from tests._dist import run_distributed
-from tests._models import Head, LayeredLM
+from tests._models import Head, LayeredLM, MLPBlock, full_weights
 
 STEPS = 2
 ACCUMULATION = 4
@@ -37,20 +35,9 @@ LR = 0.05
 WEIGHT_TOL = 1e-6
 
 
-class Block(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.up = nn.Linear(width, 2 * width)
-        self.down = nn.Linear(2 * width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(F.gelu(self.up(self.norm(x))))
-
-
 def _model() -> nn.Module:
     torch.manual_seed(0)
-    return LayeredLM(64, 32, [Block(32) for _ in range(4)], Head(32, 64))
+    return LayeredLM(64, 32, [MLPBlock(32) for _ in range(4)], Head(32, 64))
 
 
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,20 +45,6 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randint(0, 64, (BATCH, SEQ), generator=gen), torch.randint(
         0, 64, (BATCH, SEQ), generator=gen
     )
-
-
-def _weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    weights = {k: v.detach().float().clone() for k, v in state.items()}
-    if dist.is_initialized():
-        parts: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, weights)
-        for part in parts:
-            for k, v in part.items():
-                weights.setdefault(k, v)
-    return weights
 
 
 def _reference() -> dict[str, torch.Tensor]:
@@ -83,7 +56,7 @@ def _reference() -> dict[str, torch.Tensor]:
         model(*_batch(step)).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    return _weights(model)
+    return full_weights(model)
 
 
 def _fsdp_units(model: nn.Module) -> int:
@@ -156,7 +129,7 @@ def _worker(rank: int, world: int, layout: dict[str, Any], accumulation: int) ->
             }
         )
     runtime.zero.wait_for_params()
-    return {"steps": steps, "units": _fsdp_units(model), "weights": _weights(model)}
+    return {"steps": steps, "units": _fsdp_units(model), "weights": full_weights(model)}
 
 
 CASES = {

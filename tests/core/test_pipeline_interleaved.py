@@ -54,8 +54,7 @@ from megascale.core.parallel.pipeline_interleaved import (
     stream_tag,
 )
 from tests._dist import run_distributed
-from tests._models import Head, LayeredLM
-from tests.core.test_grad_reduction import Block
+from tests._models import Head, LayeredLM, MLPBlock
 
 T = _ComputationType
 RECV = {T.RECV_F: T.FORWARD, T.RECV_B: T.FULL_BACKWARD}
@@ -443,7 +442,7 @@ def _pipeline_worker(rank: int, world: int, layout: dict[str, Any]) -> dict[str,
         plan = ParallelPlan(**layout, schedule="interleaved", virtual_stages=2)
         mesh = plan.dims(world).build_mesh("cpu")
         with torch.device("meta"):  # 8 blocks: a stage each at pp4 x V2
-            model = LayeredLM(64, 32, [Block(32) for _ in range(8)], Head(32, 64))
+            model = LayeredLM(64, 32, [MLPBlock(32) for _ in range(8)], Head(32, 64))
         runtime = parallelize(model, plan, mesh, device="cpu")
         gen = torch.Generator().manual_seed(7)
         losses = []
