@@ -1,4 +1,7 @@
-"""benchmarks/lamb_batch.py --quick: every configuration runs on the same token budget with a finite loss."""
+"""benchmarks/lamb_batch.py --quick: every configuration runs on the same token budget with a finite loss.
+
+An integration test: the benchmark trains megascale-core's GPT on megascale-data's stdlib split.
+"""
 
 from __future__ import annotations
 
