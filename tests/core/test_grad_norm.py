@@ -124,7 +124,9 @@ def _split_over_every_dim(t: torch.Tensor) -> Any:
     """The double-counting mistake: treat a DTensor as split over all of its mesh dims, Replicate ones too."""
     from torch.distributed.tensor import DTensor
 
-    return (t.device_mesh, tuple(range(t.device_mesh.ndim))) if isinstance(t, DTensor) else None
+    if not isinstance(t, DTensor):
+        return None
+    return tuple(t.device_mesh.get_group(d) for d in range(t.device_mesh.ndim))
 
 
 def _build(layout: str, ref: GPT) -> tuple[torch.nn.Module, int]:

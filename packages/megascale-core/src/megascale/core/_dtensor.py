@@ -12,12 +12,15 @@ from typing import TYPE_CHECKING, Any, overload
 import torch
 
 if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed import ProcessGroup
 
-__all__ = ["ShardSpec", "is_dtensor", "local", "shard_spec"]
+__all__ = ["ShardSpec", "is_dtensor", "local", "mark_split", "shard_spec"]
 
-ShardSpec = tuple["DeviceMesh", tuple[int, ...]]
-"""(mesh, the mesh dimensions a tensor is split over)."""
+ShardSpec = tuple["ProcessGroup", ...]
+"""The process groups a tensor is split over (one per mesh dimension with a non-Replicate placement, and the
+data-parallel group for a ZeRO-1 piece): sums over its elements are summed over each of them in turn."""
+
+_SPLIT_ATTR = "_megascale_split_over"
 
 
 def is_dtensor(t: Any) -> bool:
@@ -35,17 +38,28 @@ def local(t: torch.Tensor | None) -> torch.Tensor | None:
     return t.to_local() if is_dtensor(t) else t  # type: ignore[union-attr]
 
 
+def mark_split(t: torch.Tensor, groups: ShardSpec) -> torch.Tensor:
+    """Record that the plain tensor ``t`` is one piece of a whole split over ``groups`` (ZeRO-1 steps 1-D
+    pieces of parameters, whose LAMB trust-ratio norms are those of the whole); returns ``t``."""
+    setattr(t, _SPLIT_ATTR, tuple(groups))
+    return t
+
+
 def shard_spec(t: torch.Tensor) -> ShardSpec | None:
-    """The mesh and mesh dimensions ``t`` is split over; None for a whole tensor (plain, or replicated).
+    """The process groups ``t`` is split over; None for a whole tensor (plain, or replicated).
+
+    A DTensor is split over the groups of its mesh dimensions whose placement is not Replicate; a plain
+    tensor over what ``mark_split`` recorded, else nothing.
 
     Every placement other than Replicate splits the tensor: not only Shard but also the _StridedShard that
     FSDP2 puts on the data-parallel dimension of FSDP2 × TP parameters (which is no Shard in torch 2.13).
     Partial (unreduced) tensors are refused: their local values are not pieces of the whole.
     """
     if not is_dtensor(t):
-        return None
+        return getattr(t, _SPLIT_ATTR, None)
     placements = t.placements  # type: ignore[attr-defined]
     if any(p.is_partial() for p in placements):
         raise ValueError(f"a tensor with Partial placements {placements} has no well-defined shards")
-    dims = tuple(i for i, p in enumerate(placements) if not p.is_replicate())
-    return (t.device_mesh, dims) if dims else None  # type: ignore[attr-defined]
+    mesh = t.device_mesh  # type: ignore[attr-defined]
+    groups = tuple(mesh.get_group(i) for i, p in enumerate(placements) if not p.is_replicate())
+    return groups or None

@@ -31,7 +31,7 @@ SUPPORTED = ("32-true", "bf16-mixed")
 
 class _GlobalNormClipping:
     before_optimizer_step: Callable[[Optimizer], None] | None = None
-    grad_norm_group: Any = None  # pipeline ranks hold different parameters: their norms are summed over it
+    grad_norm_group: Any = None  # ranks holding different gradients (pipeline stages, ZeRO-1 pieces), or a callable
 
     def _set_hooks(
         self, before_optimizer_step: Callable[[Optimizer], None] | None, grad_norm_group: Any
@@ -40,7 +40,8 @@ class _GlobalNormClipping:
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         params = self.main_params(optimizer)  # type: ignore[attr-defined]
-        clip_grad_norm_(params, clip_val, sum_group=self.grad_norm_group)
+        group = self.grad_norm_group() if callable(self.grad_norm_group) else self.grad_norm_group
+        clip_grad_norm_(params, clip_val, sum_group=group)
 
     def _wrap_closure(self, model: LightningModule, optimizer: Steppable, closure: Callable[[], Any]) -> Any:
         result = super()._wrap_closure(model, optimizer, closure)  # type: ignore[misc]  # step, backward, clip
@@ -55,7 +56,8 @@ class MegaScalePrecision(_GlobalNormClipping, Precision):
     Args:
         before_optimizer_step: called between clipping and the optimizer's update (ZeRO-1 drops there the
             gradients of parameters other ranks step).
-        grad_norm_group: the group over which ranks hold different parameters (pipeline stages), or None.
+        grad_norm_group: the groups over which ranks hold different gradients (pipeline stages, ZeRO-1's
+            scattered pieces), None, or a callable returning them at clipping time.
     """
 
     def __init__(

@@ -49,6 +49,7 @@ from typing_extensions import override
 
 from megascale.core import GPTConfig
 from megascale.core.parallel.compose import CheckpointLayout, ParallelRuntime, parallelize
+from megascale.core.parallel.grad_clip import SumGroup
 from megascale.core.parallel.mesh import ParallelDims
 from megascale.core.parallel.plan import ParallelPlan
 from megascale.lightning import checkpoint_io
@@ -82,6 +83,10 @@ class MegaScaleStrategy(ParallelStrategy):
         zero_stage: 0 replicate everything (DDP-like); 1 shard optimizer state; 2 also gradients;
             3 also parameters. Stages 2/3 run on FSDP2; stage 3 is refused with pp > 1 (it would gather the
             parameters again for every microbatch). Every parameter of the LightningModule is covered.
+        zero1_sharding: ZeRO-1's split of the optimizer state: "elements" (gradients reduce-scattered, each
+            rank steps 1/dp of every bucket, new values all-gathered: DDP's bytes; elementwise optimizers such
+            as AdamW, and LAMB) or "parameters" (each parameter stepped whole by one rank: 1.5x DDP's bytes,
+            any optimizer).
         sequence_parallel: with tp > 1, run norms, dropout and residuals on sequence shards.
         overlap_tp_comm: split the TP all-gathers/reduce-scatters into chunks overlapped with the GEMMs.
         tp_comm_chunks: how many chunks.
@@ -111,6 +116,7 @@ class MegaScaleStrategy(ParallelStrategy):
         virtual_stages: int = 1,
         pipeline_split: list[int] | None = None,
         zero_stage: int = 1,
+        zero1_sharding: Literal["elements", "parameters"] = "elements",
         sequence_parallel: bool = True,
         overlap_tp_comm: bool = True,
         tp_comm_chunks: int = 4,
@@ -136,7 +142,7 @@ class MegaScaleStrategy(ParallelStrategy):
             precision_plugin=precision_plugin,
         )
         self.plan = ParallelPlan(
-            tp=tp, pp=pp, zero_stage=zero_stage, num_microbatches=num_microbatches, schedule=schedule,
+            tp=tp, pp=pp, zero_stage=zero_stage, zero1_sharding=zero1_sharding, num_microbatches=num_microbatches, schedule=schedule,
             virtual_stages=virtual_stages, pipeline_split=tuple(pipeline_split) if pipeline_split else None,
             sequence_parallel=sequence_parallel, overlap_tp_comm=overlap_tp_comm, tp_comm_chunks=tp_comm_chunks,
             overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather,
@@ -220,9 +226,11 @@ class MegaScaleStrategy(ParallelStrategy):
         return dims
 
     @property
-    def gradient_norm_group(self) -> dist.ProcessGroup | None:
-        """The group over which ranks hold different parameters (pipeline stages): a global gradient norm
-        sums its parts over it. None without pipeline parallelism."""
+    def gradient_norm_group(self) -> SumGroup:
+        """The groups over which ranks hold different gradients (pipeline stages, ZeRO-1's scattered pieces):
+        a global gradient norm adds its shares over each (``grad_norm``'s ``sum_group``)."""
+        if self._runtime is not None:
+            return self._runtime.grad_norm_group
         return self.device_mesh["pp"].get_group() if self.dims.pp > 1 else None
 
     def checkpoint_layout(self) -> CheckpointLayout:
@@ -285,7 +293,7 @@ class MegaScaleStrategy(ParallelStrategy):
         self.precision_plugin = to_megascale_precision(
             self.precision_plugin,
             before_optimizer_step=self._before_optimizer_step,
-            grad_norm_group=self.gradient_norm_group,
+            grad_norm_group=lambda: self.gradient_norm_group,  # the runtime's, once it exists
         )
         if (
             self._runtime is None

@@ -45,6 +45,7 @@ from megascale.core._dtensor import is_dtensor, local
 from megascale.core.model.gpt import GPT
 from megascale.core.model.layers import pipeline_layers_of
 from megascale.core.parallel.activation_checkpoint import apply_activation_checkpointing
+from megascale.core.parallel.grad_clip import SumGroup
 from megascale.core.parallel.materialize import has_meta_tensors, materialize
 from megascale.core.parallel.mesh import MESH_DIMS, ParallelDims
 from megascale.core.parallel.plan import ParallelPlan
@@ -61,9 +62,10 @@ __all__ = ["CheckpointLayout", "ParallelRuntime", "parallelize"]
 class CheckpointLayout:
     """Which ranks hold what, for a checkpointer that reads once and broadcasts (megascale-ft).
 
-    partial: ranks hold different entries (pipeline stages; ZeRO-1 optimizer states by owner), so each loads
-        only those it has. replicas: the ranks holding exactly this rank's model and optimizer state (ZeRO-0
-        replicas: one of them may read and broadcast to the others), or None.
+    partial: ranks hold different entries (pipeline stages; ZeRO-1 optimizer states by owner under
+        zero1_sharding="parameters"), so each loads only those it has. replicas: the ranks holding exactly this
+        rank's model and optimizer state at checkpoint time (ZeRO-0 and ZeRO-1 "elements", whose pieces are
+        gathered whole for a checkpoint: one of them may read and broadcast to the others), or None.
     """
 
     partial: bool
@@ -84,10 +86,15 @@ class ParallelRuntime:
     notes: list[str] = field(default_factory=list)
 
     @property
-    def grad_norm_group(self) -> dist.ProcessGroup | None:
-        """The group over which ranks hold different parameters (pipeline stages): a global gradient norm sums
-        its parts over it. None without pipeline parallelism."""
-        return self.mesh["pp"].get_group() if self.dims.pp > 1 else None
+    def grad_norm_group(self) -> SumGroup:
+        """The groups over which ranks hold different gradients (pipeline stages; ZeRO-1's scattered pieces):
+        a global gradient norm adds its shares over each (``clip_grad_norm_``'s ``sum_group``). None if no
+        rank holds a different share."""
+        groups = [self.mesh["pp"].get_group()] if self.dims.pp > 1 else []
+        scattered = self.zero.grad_sum_group()
+        if scattered is not None:
+            groups.append(scattered)
+        return None if not groups else groups[0] if len(groups) == 1 else tuple(groups)
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -104,7 +111,7 @@ class ParallelRuntime:
                 self.pipeline.sync_gradients = True
 
     def checkpoint_layout(self) -> CheckpointLayout:
-        partial = self.dims.pp > 1 or (self.zero.stage == 1)
+        partial = self.dims.pp > 1 or self.zero.checkpoint_partial
         return CheckpointLayout(partial=partial, replicas=self.zero.replica_group())
 
 
@@ -171,6 +178,7 @@ def parallelize(
             trees, mesh["dp"], stage=plan.zero_stage, bucket_size_mb=plan.bucket_size_mb,
             overlap_grad_reduce=plan.overlap_grad_reduce, overlap_param_gather=plan.overlap_param_gather,
             param_dtype=param_dtype, accumulations=plan.microbatches if stages else 1, zero1_root=module,
+            zero1_sharding=plan.zero1_sharding,
         )  # fmt: skip
     pipeline = None
     if stages:  # 6.

@@ -36,23 +36,26 @@ from torch import Tensor
 
 from megascale.core._dtensor import ShardSpec, is_dtensor, local, shard_spec
 
-__all__ = ["all_reduce_over_shards", "clip_grad_norm_", "grad_norm"]
+__all__ = ["SumGroup", "all_reduce_over_shards", "clip_grad_norm_", "grad_norm"]
+
+SumGroup = dist.ProcessGroup | Sequence[dist.ProcessGroup] | None
+"""Groups over whose ranks the local shares of a norm are added (see ``grad_norm``)."""
 
 
 def all_reduce_over_shards(
     values: Tensor, specs: Sequence[ShardSpec | None], op: Any = dist.ReduceOp.SUM
 ) -> Tensor:
-    """Reduce, in place, each entry of ``values`` over exactly the mesh dimensions of its shard spec.
+    """Reduce, in place, each entry of ``values`` over exactly the process groups of its shard spec.
 
     ``values[i]`` is a local partial result (a sum of squares, a maximum) of a tensor split as ``specs[i]``
     (see ``megascale.core._dtensor.shard_spec``); entries with spec None are whole already and are left
-    alone. There is one all-reduce per distinct process group (mesh dimension) that some entry is split
-    over, in order of first appearance, so every rank that passes the same specs issues the same
-    collectives in the same order. Returns ``values``.
+    alone. There is one all-reduce per distinct process group that some entry is split over, in order of
+    first appearance, so every rank that passes the same specs issues the same collectives in the same order.
+    Returns ``values``.
 
     Args:
         values: 1-D tensor, one entry per spec, on a device the process groups can reduce on.
-        specs: for each entry, (mesh, the mesh dimensions its tensor is split over), or None.
+        specs: for each entry, the process groups its tensor is split over, or None.
         op: ``dist.ReduceOp.SUM`` for sums of powers, ``dist.ReduceOp.MAX`` for maxima.
     """
     if values.dim() != 1 or values.numel() != len(specs):
@@ -61,13 +64,10 @@ def all_reduce_over_shards(
         )
     positions: dict[dist.ProcessGroup, list[int]] = {}
     for i, spec in enumerate(specs):
-        if spec is None:
-            continue
-        mesh, dims = spec
-        for d in dims:
-            # Keyed by the process group, not (mesh, dim): two mesh objects over the same ranks (a 1-D TP
-            # mesh and the "tp" dimension of a 2-D mesh) share one reduction.
-            positions.setdefault(mesh.get_group(d), []).append(i)
+        # Keyed by the process group, not by mesh: two mesh objects over the same ranks (a 1-D TP mesh and
+        # the "tp" dimension of a 2-D mesh) share one reduction.
+        for group in spec or ():
+            positions.setdefault(group, []).append(i)
     for group, index in positions.items():
         if len(index) == len(specs):
             dist.all_reduce(values, op=op, group=group)
@@ -145,7 +145,7 @@ def _grad_norm(
     params: list[Tensor],
     norm_type: float,
     foreach: bool | None,
-    sum_group: dist.ProcessGroup | None,
+    sum_group: SumGroup,
 ) -> Tensor:
     norm_type = _check_norm_type(norm_type)
     is_inf = math.isinf(norm_type)
@@ -157,7 +157,7 @@ def _grad_norm(
     per_device: dict[torch.device, dict[Any, list[Tensor]]] = {}
     spec_of: dict[Any, ShardSpec | None] = {}
     for n, spec in zip(norms, specs):
-        key = None if spec is None else (spec[0], spec[1])
+        key = spec
         spec_of[key] = spec
         per_device.setdefault(n.device, {}).setdefault(key, []).append(n)
     totals = []
@@ -178,11 +178,19 @@ def _grad_norm(
     else:
         stacked = torch.stack([t.to(device) for t in totals])
         total = stacked.amax() if is_inf else stacked.sum()
-    if sum_group is not None:
-        dist.all_reduce(total, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=sum_group)
+    for group in _groups(sum_group):
+        dist.all_reduce(total, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=group)
     if is_inf:
         return total
     return total.sqrt() if norm_type == 2.0 else total.pow(1.0 / norm_type)
+
+
+def _groups(sum_group: SumGroup) -> tuple[dist.ProcessGroup, ...]:
+    if sum_group is None:
+        return ()
+    if isinstance(sum_group, dist.ProcessGroup):
+        return (sum_group,)
+    return tuple(sum_group)
 
 
 def grad_norm(
@@ -190,7 +198,7 @@ def grad_norm(
     norm_type: float = 2.0,
     *,
     foreach: bool | None = None,
-    sum_group: dist.ProcessGroup | None = None,
+    sum_group: SumGroup = None,
 ) -> Tensor:
     """The norm of all gradients of ``parameters`` taken together, as if every tensor were whole.
 
@@ -204,8 +212,10 @@ def grad_norm(
             the same ones, in the same order.
         norm_type: p of the p-norm, any p > 0, or ``math.inf`` for the largest absolute value.
         foreach: compute local norms with ``torch._foreach_norm`` (None, True) or one tensor at a time.
-        sum_group: ranks that hold different parameters (pipeline stages) and whose shares are added
-            (maximum for inf); None if every rank passes all of the model's parameters.
+        sum_group: ranks that hold different parameters (pipeline stages) or different pieces of each
+            gradient (ZeRO-1's reduce-scattered gradients, zero outside each rank's piece), whose shares are
+            added (maximum for inf): a process group, several (summed over each in turn: pipeline and data
+            parallel), or None if every rank passes all of the model's gradients whole.
 
     Returns:
         A float32 0-d tensor on the device of the first gradient, equal on all ranks.
@@ -220,7 +230,7 @@ def clip_grad_norm_(
     norm_type: float = 2.0,
     foreach: bool | None = None,
     *,
-    sum_group: dist.ProcessGroup | None = None,
+    sum_group: SumGroup = None,
 ) -> Tensor:
     """Scale the gradients of ``parameters`` in place so their global norm is at most ``max_norm``.
 

@@ -37,6 +37,10 @@ class ParallelPlan:
         zero_stage: 0 replicate everything (DDP-like); 1 shard optimizer state; 2 also gradients;
             3 also parameters (refused with pp > 1: it would gather every stage's parameters again for each
             microbatch).
+        zero1_sharding: how ZeRO-1 splits the optimizer state: "elements" (gradients reduce-scattered, each
+            rank steps 1/dp of every bucket, new values all-gathered: DDP's bytes; elementwise optimizers such
+            as AdamW, and LAMB) or "parameters" (each parameter stepped whole by one rank, gradients
+            all-reduced and new values broadcast: 1.5x DDP's bytes; any optimizer).
         num_microbatches: microbatches per step with pp > 1 (None: pp).
         schedule: pipeline schedule, one of ``SCHEDULES``.
         virtual_stages: stages per pipeline rank (the interleaved schedule).
@@ -58,6 +62,7 @@ class ParallelPlan:
     tp: int = 1
     pp: int = 1
     zero_stage: int = 1
+    zero1_sharding: Literal["elements", "parameters"] = "elements"
     num_microbatches: int | None = None
     schedule: Literal["1f1b", "interleaved", "gpipe"] = "1f1b"
     virtual_stages: int = 1
@@ -80,6 +85,11 @@ class ParallelPlan:
             raise ValueError(
                 f"zero_stage={self.zero_stage!r}: ZeRO stages are 0 (replicate), 1 (shard optimizer state), "
                 "2 (+ gradients) and 3 (+ parameters)"
+            )
+        if self.zero1_sharding not in ("elements", "parameters"):
+            raise ValueError(
+                f"zero1_sharding={self.zero1_sharding!r} must be 'elements' (reduce-scatter + all-gather) or "
+                "'parameters' (whole parameters by owner)"
             )
         if self.zero_stage == 3 and self.pp > 1:
             raise ValueError(

@@ -6,8 +6,11 @@ per parameter, the largest part) on every rank; ZeRO shards them over the dp ran
 
     stage 0  nothing sharded: gradients all-reduced in buckets during backward  (``grad_reduce.py``; unlike
              DDP it takes tensor-parallel DTensor parameters)
-    stage 1  + optimizer state: each rank steps the parameters it owns and sends the new values
-             (``optimizer_state.py``)
+    stage 1  + optimizer state: gradients reduce-scattered, each rank steps its 1/dp of every bucket (to the
+             element, across parameters) and the new values are all-gathered: DDP's bytes
+             (``sharded_step.py``; ``zero1_sharding="parameters"``: whole parameters by owner, gradients
+             all-reduced and new values broadcast, 1.5x the bytes, for optimizers that are not
+             elementwise: ``optimizer_state.py``)
     stage 2  + gradients (reduce-scatter per unit during backward)               (``fsdp.py``, FSDP2)
     stage 3  + parameters (gathered per unit, just in time, prefetched)          (``fsdp.py``, FSDP2)
 
@@ -15,9 +18,9 @@ Every stage is a ``ZeroRuntime`` with the same hooks, which a training loop call
 
     with zero.no_sync(): loss.backward()      # micro-batches of a gradient accumulation but the last
     loss.backward(); zero.after_backward()     # gradients averaged over dp (or reduce-scattered)
-    clip_grad_norm_(...)                       # megascale.core.parallel.clip_grad_norm_: every tensor once
-    zero.before_optimizer_step(optimizer)      # stage 1: drop the gradients other ranks step
-    optimizer.step(); zero.after_optimizer_step(optimizer)   # stage 1: owners send; stage 3: prefetch
+    clip_grad_norm_(..., sum_group=zero.grad_sum_group())   # megascale's: every tensor once
+    zero.before_optimizer_step(optimizer)      # stage 1: the optimizer gets this rank's share
+    optimizer.step(); zero.after_optimizer_step(optimizer)   # stage 1: new values sent; 2/3: prefetch
     zero.wait_for_params()                     # before reading parameters outside a forward
 
 ``apply_zero`` chooses and sets one up. What it shards is given as ``UnitTree``s: a root module whose forward
@@ -39,10 +42,12 @@ from torch.optim import Optimizer
 
 from megascale.core.parallel.zero.grad_reduce import BucketedGradReduce
 from megascale.core.parallel.zero.optimizer_state import OptimizerStateSharding
+from megascale.core.parallel.zero.sharded_step import ShardedOptimizerStep
 
 __all__ = [
     "BucketedGradReduce",
     "OptimizerStateSharding",
+    "ShardedOptimizerStep",
     "UnitTree",
     "ZeroRuntime",
     "apply_zero",
@@ -67,6 +72,8 @@ class ZeroRuntime:
     module that sharded itself): every hook does nothing."""
 
     stage: int | None = None
+    #: ranks hold different optimizer states at checkpoint time (each loads only its own)
+    checkpoint_partial: bool = False
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -99,6 +106,11 @@ class ZeroRuntime:
         """The ranks holding exactly this rank's parameters and optimizer state (stage 0), else None."""
         return None
 
+    def grad_sum_group(self) -> dist.ProcessGroup | None:
+        """The group over which plain gradients hold different shares (stage 1's scattered pieces): a global
+        gradient norm adds their shares over it. None where every rank holds them whole."""
+        return None
+
     def remove(self) -> None:
         """Unregister hooks (waits for parameters in flight first)."""
 
@@ -109,11 +121,12 @@ class _ReplicatedGradients(ZeroRuntime):
     stage = 0
 
     def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup, *, bucket_size_mb: float,
-                 overlap: bool, accumulations: int) -> None:  # fmt: skip
+                 overlap: bool, accumulations: int, scatter: bool = False) -> None:  # fmt: skip
         self.group = group
         self.reduce = BucketedGradReduce(
-            params, group, bucket_size_mb=bucket_size_mb, overlap=overlap, accumulations=accumulations
-        )
+            params, group, bucket_size_mb=bucket_size_mb, overlap=overlap, accumulations=accumulations,
+            scatter=scatter,
+        )  # fmt: skip
         self._sync = True
 
     @contextmanager
@@ -136,11 +149,76 @@ class _ReplicatedGradients(ZeroRuntime):
         self.reduce.remove()
 
 
-class _ShardedOptimizerState(_ReplicatedGradients):
-    """Stage 1: stage 0's gradients; each parameter stepped by its owner, whose new values the next forward
-    waits for unit by unit (``overlap_param_gather``)."""
+class _ScatteredGradients(_ReplicatedGradients):
+    """Stage 1 (``zero1_sharding="elements"``): gradient buckets reduce-scattered, each rank steps its 1/dp of
+    every bucket, the new values all-gathered and waited for unit by unit by the next forward."""
 
     stage = 1
+
+    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup, *, root: nn.Module,
+                 units: list[nn.Module], bucket_size_mb: float, overlap_grad_reduce: bool,
+                 overlap_param_gather: bool, accumulations: int) -> None:  # fmt: skip
+        super().__init__(params, group, bucket_size_mb=bucket_size_mb, overlap=overlap_grad_reduce,
+                         accumulations=accumulations, scatter=True)  # fmt: skip
+        self.root, self.units, self.overlap_param_gather = root, units, overlap_param_gather
+        self.steps: dict[int, ShardedOptimizerStep] = {}
+
+    def attach_optimizers(self, optimizers: Sequence[Optimizer]) -> None:
+        self._remove_steps()
+        self.steps = {
+            id(opt): ShardedOptimizerStep(
+                opt, self.reduce, self.root, overlap_param_gather=self.overlap_param_gather, units=self.units
+            )
+            for opt in optimizers
+        }
+
+    def _of(self, optimizer: Optimizer) -> ShardedOptimizerStep | None:
+        return self.steps.get(id(getattr(optimizer, "_optimizer", optimizer)))
+
+    def after_backward(self) -> None:
+        if self._sync:
+            self.reduce.finish()
+            for step in self.steps.values():
+                step.arm()
+
+    def before_optimizer_step(self, optimizer: Optimizer) -> None:
+        step = self._of(optimizer)
+        if step is not None:
+            step.begin_step()
+
+    def after_optimizer_step(self, optimizer: Optimizer) -> None:
+        step = self._of(optimizer)
+        if step is not None:
+            step.end_step()
+
+    def wait_for_params(self) -> None:
+        for step in self.steps.values():
+            step.wait()
+
+    def prepare_optimizer_state(self, optimizer: Optimizer) -> None:
+        step = self._of(optimizer)
+        if step is not None:
+            step.gather_state()
+
+    def grad_sum_group(self) -> dist.ProcessGroup | None:
+        return self.group
+
+    def _remove_steps(self) -> None:
+        for step in self.steps.values():
+            step.remove()
+        self.steps = {}
+
+    def remove(self) -> None:
+        self._remove_steps()
+        super().remove()
+
+
+class _ShardedOptimizerState(_ReplicatedGradients):
+    """Stage 1 with ``zero1_sharding="parameters"``: stage 0's gradients; each parameter stepped by its
+    owner, whose new values the next forward waits for unit by unit (``overlap_param_gather``)."""
+
+    stage = 1
+    checkpoint_partial = True
 
     def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup, *, root: nn.Module,
                  units: list[nn.Module], bucket_size_mb: float, overlap_grad_reduce: bool,
@@ -248,6 +326,7 @@ def apply_zero(
     param_dtype: torch.dtype | None = None,
     accumulations: int = 1,
     zero1_root: nn.Module | None = None,
+    zero1_sharding: str = "elements",
 ) -> ZeroRuntime:
     """Shard the parameters under ``trees`` over ``dp_mesh`` as ZeRO ``stage`` and return its hooks.
 
@@ -261,6 +340,9 @@ def apply_zero(
         accumulations: backward passes per synchronised step (one per pipeline microbatch).
         zero1_root: stage 1: the module whose forward pre-hook waits for every parameter no unit does
             (default: the first tree's root).
+        zero1_sharding: stage 1: "elements" (reduce-scatter, each rank steps 1/dp of every bucket, all-gather:
+            DDP's bytes; elementwise optimizers and LAMB) or "parameters" (whole parameters by owner,
+            all-reduce + broadcast: 1.5x the bytes; any optimizer that skips parameters without gradients).
     """
     if dp_mesh.size() == 1:
         return ZeroRuntime()
@@ -272,7 +354,10 @@ def apply_zero(
     if stage == 1:
         units = [m for t in trees for m in (t.root, *t.layers())]
         root = zero1_root if zero1_root is not None else trees[0].root
-        return _ShardedOptimizerState(
+        if zero1_sharding not in ("elements", "parameters"):
+            raise ValueError(f"zero1_sharding={zero1_sharding!r} must be 'elements' or 'parameters'")
+        kind = _ScatteredGradients if zero1_sharding == "elements" else _ShardedOptimizerState
+        return kind(
             params, group, root=root, units=units, bucket_size_mb=bucket_size_mb,
             overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather,
             accumulations=accumulations,

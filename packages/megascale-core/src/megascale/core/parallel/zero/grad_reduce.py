@@ -24,6 +24,15 @@
 # until finish(), which gives it a zero gradient and launches every remaining bucket in order, so no rank
 # skips a collective the others issue and nothing hangs.
 #
+# Scattered (scatter=True, ZeRO-1 at DDP's bytes, as Megatron's distributed optimizer): each bucket's buffer
+# is padded to a multiple of the group size and reduce-scattered instead of all-reduced, so rank r receives
+# the average of elements [r*c, (r+1)*c) of the bucket (c = padded size / group size), whatever parameters
+# they belong to: balanced to the element, a parameter may be cut between ranks. finish() writes those
+# averages into the gradients and zeros everywhere else, so every p.grad is this rank's share of the whole:
+# a global norm is the sum of every rank's local squares (clip with sum_group = the dp group), and
+# `shard_range(p)` says which flat elements of p this rank holds. Buckets then also group parameters of
+# one dtype only, so the updated values can travel back in their own dtype (all-gather, `sharded_step.py`).
+#
 # Not done (DDP's gradient_as_bucket_view): gradients are copied into the flat buffer and back rather than
 # living in it, which costs one bucket-sized buffer per in-flight bucket and two copies, and leaves the
 # gradients ordinary tensors that optimizers, clipping and FSDP-style code can hold as they like.
@@ -40,6 +49,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from megascale.core._dtensor import local
+from megascale.core.parallel.tp_comm import reduce_scatter_flat
 
 __all__ = ["BucketedGradReduce"]
 
@@ -52,10 +62,16 @@ class _Bucket:
     dtype: torch.dtype  # of the flat buffer
     device: torch.device
     numel: int
+    param_dtype: torch.dtype | None = None
     ready: int = 0
     flat: Tensor | None = None
     work: Any = None  # the async all-reduce's handle once launched
+    chunk: Tensor | None = None  # scatter: this rank's part of the reduce-scatter
     offsets: list[int] = field(default_factory=list)
+
+    def padded(self, world_size: int) -> int:
+        """Elements of the buffer reduce-scattered: ``numel`` rounded up to a multiple of ``world_size``."""
+        return -(-self.numel // world_size) * world_size
 
 
 class BucketedGradReduce:
@@ -87,6 +103,8 @@ class BucketedGradReduce:
         accumulations: how many times each gradient is accumulated in one synchronised backward — one per
             microbatch when a pipeline schedule runs several backward passes per step; a bucket is launched
             after the last of them.
+        scatter: reduce-scatter each bucket instead of all-reducing it: afterwards each rank's gradients
+            hold the averages of its ``shard_range`` only, zeros elsewhere (ZeRO-1; see the file header).
     """
 
     def __init__(
@@ -98,6 +116,7 @@ class BucketedGradReduce:
         overlap: bool = True,
         reduce_dtype: torch.dtype | None = torch.float32,
         accumulations: int = 1,
+        scatter: bool = False,
     ) -> None:
         if bucket_size_mb <= 0:
             raise ValueError(f"bucket_size_mb must be > 0, got {bucket_size_mb}")
@@ -108,6 +127,8 @@ class BucketedGradReduce:
         self.world_size = dist.get_world_size(group)
         self.overlap = overlap
         self.reduce_dtype = reduce_dtype
+        self.scatter = scatter
+        self.rank = dist.get_rank(group) if scatter else 0
         self._sync = True
         self._next_launch = 0
         seen: set[int] = set()
@@ -135,17 +156,33 @@ class BucketedGradReduce:
             fits = (
                 last is not None
                 and last.dtype == dtype
+                and (not self.scatter or last.param_dtype == shard.dtype)
                 and last.device == shard.device
                 and (last.numel + shard.numel()) * dtype.itemsize <= capacity
             )
             if not fits:  # a parameter larger than capacity gets a bucket of its own
-                last = _Bucket([], dtype, shard.device, 0)
+                last = _Bucket([], dtype, shard.device, 0, param_dtype=shard.dtype)
                 buckets.append(last)
             assert last is not None
             last.offsets.append(last.numel)
             last.params.append(p)
             last.numel += shard.numel()
         return buckets
+
+    def shard_range(self, p: Tensor) -> tuple[int, int]:
+        """scatter=True: the elements ``[start, stop)`` of ``local(p).view(-1)`` whose averages this rank
+        receives (possibly empty); a parameter this reducer does not cover raises KeyError."""
+        bucket = self.buckets[self._bucket_of[id(p)]]
+        offset = next(o for q, o in zip(bucket.params, bucket.offsets) if q is p)
+        chunk = bucket.padded(self.world_size) // self.world_size
+        lo, hi = self.rank * chunk, (self.rank + 1) * chunk
+        numel = local(p).numel()
+        start, stop = min(max(lo - offset, 0), numel), min(max(hi - offset, 0), numel)
+        return start, max(start, stop)
+
+    def covers(self, p: Tensor) -> bool:
+        """Whether ``p``'s gradient is reduced here."""
+        return id(p) in self._bucket_of
 
     # ---- backward side ----------------------------------------------------------------------------------
 
@@ -179,7 +216,9 @@ class BucketedGradReduce:
 
     @torch.no_grad()
     def _launch(self, bucket: _Bucket) -> None:
-        flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=bucket.device)
+        size = bucket.padded(self.world_size) if self.scatter else bucket.numel
+        flat = torch.empty(size, dtype=bucket.dtype, device=bucket.device)
+        flat[bucket.numel :].zero_()
         for p, offset in zip(bucket.params, bucket.offsets):
             if p.grad is None:
                 # No gradient this step: it counts as zero, so the average is the other ranks' sum / size.
@@ -187,7 +226,13 @@ class BucketedGradReduce:
             g = local(p.grad)
             flat[offset : offset + g.numel()].copy_(g.reshape(-1))
         bucket.flat = flat
-        bucket.work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        if self.scatter:
+            bucket.chunk = flat.new_empty(size // self.world_size)
+            bucket.work = reduce_scatter_flat(
+                bucket.chunk, flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True
+            )
+        else:
+            bucket.work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
 
     @torch.no_grad()
     def finish(self) -> None:
@@ -204,7 +249,12 @@ class BucketedGradReduce:
             for bucket in self.buckets:
                 assert bucket.work is not None and bucket.flat is not None
                 bucket.work.wait()
-                bucket.flat.div_(self.world_size)
+                if bucket.chunk is not None:  # scattered: this rank's averages, zeros around them
+                    chunk = bucket.chunk.div_(self.world_size)
+                    bucket.flat.zero_()
+                    bucket.flat[self.rank * chunk.numel() : (self.rank + 1) * chunk.numel()].copy_(chunk)
+                else:
+                    bucket.flat.div_(self.world_size)
                 for p, offset in zip(bucket.params, bucket.offsets):
                     g = local(p.grad)
                     assert g is not None
@@ -214,7 +264,7 @@ class BucketedGradReduce:
 
     def _reset(self) -> None:
         for bucket in self.buckets:
-            bucket.ready, bucket.flat, bucket.work = 0, None, None
+            bucket.ready, bucket.flat, bucket.work, bucket.chunk = 0, None, None, None
         self._arrived.clear()
         self._next_launch = 0
 

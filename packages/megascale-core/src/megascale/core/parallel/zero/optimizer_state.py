@@ -5,7 +5,7 @@ The stages together are described in ``megascale.core.parallel.zero``; this file
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,12 +16,12 @@ from torch.optim import Optimizer
 
 from megascale.core._dtensor import local
 
-__all__ = ["OptimizerStateSharding"]
+__all__ = ["OptimizerStateSharding", "optimizer_params", "register_unit_waits"]
 
 _MIB = 1024 * 1024
 
 
-def _optimizer_params(optimizer: Optimizer) -> list[Tensor]:
+def optimizer_params(optimizer: Optimizer) -> list[Tensor]:
     """The optimizer's parameters in group order, each once."""
     seen: set[int] = set()
     out = []
@@ -132,7 +132,7 @@ class OptimizerStateSharding:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.overlap_param_gather = overlap_param_gather
-        self.params = _optimizer_params(optimizer)
+        self.params = optimizer_params(optimizer)
         self._owner = self._assign_owners()
         # Unowned parameters' state (an optimizer stepped before wrapping, a full checkpoint loaded) is freed.
         for p in self.params:
@@ -275,34 +275,39 @@ class OptimizerStateSharding:
 
     def _register_units(self, units: list[nn.Module]) -> list[Any]:
         bucket_of = {id(p): b for b, bucket in enumerate(self.buckets) for p in bucket.params}
-        unique: list[nn.Module] = []
-        for u in units:
-            if all(u is not v for v in unique):
-                unique.append(u)
-        handles = []
-        for u in unique:
-            inside = {id(m) for m in u.modules()}
-            nested = [v for v in unique if v is not u and id(v) in inside]
-            others = {id(p) for v in nested for p in v.parameters()}
-            buckets = sorted(
-                {bucket_of[id(p)] for p in u.parameters() if id(p) in bucket_of and id(p) not in others}
-            )
-            if buckets:
-                handles.append(u.register_forward_pre_hook(self._make_pre_hook(buckets), prepend=True))
-        return handles
+        return register_unit_waits(units, bucket_of, self._wait_buckets)
 
-    def _make_pre_hook(self, buckets: list[int]) -> Any:
-        def pre_hook(module: nn.Module, args: Any) -> None:
-            if not self._pending:
-                return
-            for b in buckets:
-                if b in self._pending:
-                    self._complete(b)
-
-        return pre_hook
+    def _wait_buckets(self, buckets: Iterable[int]) -> None:
+        for b in buckets:
+            if b in self._pending:
+                self._complete(b)
 
     def remove(self) -> None:
         """Remove the forward pre-hooks (call ``wait()`` first if a gather may be pending)."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+
+def register_unit_waits(
+    units: list[nn.Module], bucket_of: dict[int, int], wait_for: Callable[[list[int]], None]
+) -> list[Any]:
+    """Forward pre-hooks that call ``wait_for(buckets)`` with the buckets (``bucket_of``: id(parameter) ->
+    bucket) holding the parameters of each unit's subtree, minus those of units nested in it."""
+    unique: list[nn.Module] = []
+    for u in units:
+        if all(u is not v for v in unique):
+            unique.append(u)
+    handles = []
+    for u in unique:
+        inside = {id(m) for m in u.modules()}
+        nested = [v for v in unique if v is not u and id(v) in inside]
+        others = {id(p) for v in nested for p in v.parameters()}
+        buckets = sorted({bucket_of[id(p)] for p in u.parameters() if id(p) in bucket_of and id(p) not in others})
+        if buckets:
+
+            def pre_hook(module: nn.Module, args: Any, buckets: list[int] = buckets) -> None:
+                wait_for(buckets)
+
+            handles.append(u.register_forward_pre_hook(pre_hook, prepend=True))
+    return handles

@@ -1,0 +1,243 @@
+"""ZeRO-1 with zero1_sharding="elements" (reduce-scatter, each rank steps 1/dp of every bucket, all-gather) on
+real gloo ranks, through ``apply_zero``'s runtime as a plain training loop calls it.
+
+Against one process stepping the unsharded model on the union of all ranks' batches, for 4 steps with torch
+AdamW (foreach and for-loop) and megascale LAMB (whose trust ratio needs norms summed over the pieces of a
+parameter), at dp=2, dp=4 and dp=2 × tp=2 (DTensor parameters cut into 1-D pieces). Every step clips by the
+global norm, which is only right if the scattered gradients' shares are added over dp (``grad_sum_group``).
+Also: bytes per step equal DDP's (stage 0's) to the bucket padding; the optimizer state is 1/dp of the whole
+to a few elements (no largest-parameter bound); the next forward waits for the all-gathers through its
+pre-hooks alone (and is stale without them); the state gathered whole for a checkpoint equals the
+reference optimizer's; a non-elementwise optimizer is refused by name.
+
+Tolerance as in test_zero.py (same model, steps and reasoning: sums in another order, amplified by AdamW where
+a gradient element is near zero): 5e-5 for AdamW, 2e-6 for LAMB. A skipped, doubled or stale update, or a
+norm summed over the wrong ranks, moves a weight by ~lr = 1e-2.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megascale.core import GPT, GPTConfig, apply_tensor_parallel
+from megascale.core.comm_meter import CollectiveMeter
+from megascale.core.optim import LAMB
+from megascale.core.parallel import UnitTree, apply_zero, clip_grad_norm_
+from tests._dist import run_distributed
+from tests.core._tiny import TINY_GQA_GPT
+
+ATOL = {"adamw-foreach": 5e-5, "adamw-loop": 5e-5, "lamb": 2e-6}
+STEPS = 4
+LR = 1e-2
+MAX_NORM = 1.0  # below the tiny GPT's gradient norm (~3): every step clips
+BUCKET_MB = 4096 / 2**20  # 4 KiB: many buckets, parameters cut across ranks
+CONFIG = dict(TINY_GQA_GPT)
+
+
+def _batch(step: int, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 * step + dp_rank)
+    return torch.randint(0, 60, (2, 8), generator=gen), torch.randint(0, 60, (2, 8), generator=gen)
+
+
+def _union(step: int, dp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    parts = [_batch(step, r) for r in range(dp)]
+    return torch.cat([t for t, _ in parts]), torch.cat([y for _, y in parts])
+
+
+def _optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
+    if kind == "adamw-foreach":
+        return torch.optim.AdamW(params, lr=LR, weight_decay=0.1, foreach=True)
+    if kind == "adamw-loop":
+        return torch.optim.AdamW(params, lr=LR, weight_decay=0.1, foreach=False)
+    assert kind == "lamb"
+    return LAMB(params, lr=LR, weight_decay=0.01)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def _local_numel(t: torch.Tensor) -> int:
+    from megascale.core._dtensor import local
+
+    return local(t).numel()
+
+
+def _run(kind: str, overlap: bool, dp_mesh: Any, tp_mesh: Any) -> dict[str, Any]:
+    dp, dp_rank = dp_mesh.size(), dp_mesh.get_local_rank()
+    torch.manual_seed(0)
+    ref = GPT(GPTConfig(**CONFIG))
+    model = copy.deepcopy(ref)
+    if tp_mesh is not None:
+        apply_tensor_parallel(model, tp_mesh)
+    zero = apply_zero(
+        [UnitTree(model, [model.layers()])], dp_mesh, stage=1, bucket_size_mb=BUCKET_MB,
+        overlap_param_gather=overlap,
+    )  # fmt: skip
+    opt = _optimizer(kind, model.parameters())
+    zero.attach_optimizers([opt])
+    ref_opt = _optimizer(kind, ref.parameters())
+    meter = CollectiveMeter()
+
+    def step(i: int) -> None:
+        with meter:
+            model(*_batch(i, dp_rank)).backward()
+            zero.after_backward()
+            clip_grad_norm_(model.parameters(), MAX_NORM, sum_group=zero.grad_sum_group())
+            opt.step()  # a plain loop: the step hooks swap the pieces in and out
+            zero.after_optimizer_step(opt)
+        opt.zero_grad()
+        ref(*_union(i, dp)).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
+        ref_opt.step()
+        ref_opt.zero_grad()
+
+    for i in range(STEPS):
+        meter.records.clear()
+        step(i)
+    buckets = zero.reduce.buckets  # type: ignore[attr-defined]
+    sent = {k: meter.payload_bytes(k) for k in ("reduce_scatter", "all_gather", "all_reduce", "broadcast")}
+    out: dict[str, Any] = {
+        "kind": kind, "overlap": overlap, "dp": dp, "sent": sent,
+        "padding_bytes": 4 * sum(b.padded(dp) - b.numel for b in buckets),
+        "grad_bytes": 4 * sum(b.numel for b in buckets), "buckets": len(buckets),
+        "params": len(list(model.parameters())),
+        "cut": sum(1 for b in buckets for p in b.params if 0 < _piece(zero, opt, p) < _local_numel(p)),
+    }  # fmt: skip
+    sharding = zero.steps[id(opt)]  # type: ignore[attr-defined]
+    out["pending_before_forward"] = len(sharding._pending)
+    test = _batch(99, 0)[0]
+
+    def logits_error() -> float:
+        with torch.no_grad():
+            ours, full = model(test), ref(test)
+        if tp_mesh is not None:
+            width = ours.shape[-1]
+            full = full[..., tp_mesh.get_local_rank() * width : (tp_mesh.get_local_rank() + 1) * width]
+        return (ours - full).abs().max().item()
+
+    out["logits"] = logits_error()  # the pre-hooks alone bring the gathered values in
+    zero.wait_for_params()
+    out["weights"] = max(
+        (_full(p) - r.detach()).abs().max().item() for p, r in zip(model.parameters(), ref.parameters())
+    )
+    state_numel = [
+        sum(v.numel() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0) for s in opt.state.values()
+    ]
+    out["state_elements"] = sum(state_numel)
+    out["full_state_elements"] = 2 * sum(_local_numel(p) for p in model.parameters())  # two moments
+    out["largest_param_state"] = 2 * max(_local_numel(p) for p in model.parameters())
+    # Whole state for a checkpoint: equal to the reference optimizer's, on every rank.
+    zero.prepare_optimizer_state(opt)
+    out["state_error"] = max(
+        (_full(opt.state[p][key]) - ref_opt.state[r][key]).abs().max().item()
+        for p, r in zip(model.parameters(), ref.parameters())
+        for key in ("exp_avg", "exp_avg_sq")
+    )
+    # ... and one more step from whole state (cut into pieces again) still matches.
+    step(STEPS)
+    zero.wait_for_params()
+    out["weights_after_gather"] = max(
+        (_full(p) - r.detach()).abs().max().item() for p, r in zip(model.parameters(), ref.parameters())
+    )
+    # Without the pre-hooks the next forward reads stale parameters.
+    for handle in sharding._handles[:-2]:
+        handle.remove()
+    step(STEPS + 1)
+    out["logits_without_hooks"] = logits_error()
+    zero.wait_for_params()
+    out["logits_after_wait"] = logits_error()
+    return out
+
+
+def _piece(zero: Any, opt: Any, p: torch.Tensor) -> int:
+    start, stop = zero.steps[id(opt)]._range[id(p)]
+    return stop - start
+
+
+def _worker(rank: int, world_size: int, plan: list[tuple[str, str, bool]]) -> list[dict[str, Any]]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    out = []
+    for layout, kind, overlap in plan:
+        if layout == "dp":
+            mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+            result = _run(kind, overlap, mesh["dp"], None)
+        else:
+            mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("dp", "tp"))
+            result = _run(kind, overlap, mesh["dp"], mesh["tp"])
+            result["tp_rank"] = mesh["tp"].get_local_rank()
+        result["layout"] = layout
+        out.append(result)
+    return out
+
+
+def _check(results: list[list[dict[str, Any]]]) -> None:
+    for i in range(len(results[0])):
+        runs = [per_rank[i] for per_rank in results]
+        first = runs[0]
+        where = f"{first['layout']} {first['kind']} overlap={first['overlap']}"
+        for rank, r in enumerate(runs):
+            at, atol, dp = f"{where}, rank {rank}", ATOL[r["kind"]], r["dp"]
+            for key in ("weights", "logits", "state_error", "weights_after_gather", "logits_after_wait"):
+                assert r[key] <= atol, (at, key, r[key])
+            sent = r["sent"]
+            if r["layout"] == "dp":  # (under TP the meter also sees the tensor-parallel collectives)
+                # DDP's bytes: one reduce-scatter and one all-gather of every bucket (padded); besides, only
+                # the clip norm's scalar and LAMB's trust-ratio norms (two floats per parameter).
+                assert sent["all_reduce"] <= 8 * (2 * r["params"] + 1) and sent["broadcast"] == 0, (at, sent)
+                assert sent["reduce_scatter"] == r["grad_bytes"] + r["padding_bytes"], (at, sent)
+                assert sent["all_gather"] == sent["reduce_scatter"], (at, sent)
+            assert r["padding_bytes"] < 4 * dp * r["buckets"], at
+            assert r["cut"] > 0, f"{at}: no parameter is cut between ranks: the test does not test pieces"
+            # State 1/dp to the bucket padding, far below the largest-parameter bound of whole ownership.
+            even = r["full_state_elements"] / dp
+            assert abs(r["state_elements"] - even) <= 2 * dp * r["buckets"], (at, r["state_elements"], even)
+            if r["overlap"]:
+                assert r["pending_before_forward"] == r["buckets"], at
+                assert r["logits_without_hooks"] > 10 * atol, (at, r["logits_without_hooks"])
+            else:
+                assert r["pending_before_forward"] == 0, at
+                assert r["logits_without_hooks"] <= atol, at
+        groups: dict[int, list[dict[str, Any]]] = {}
+        for r in runs:
+            groups.setdefault(r.get("tp_rank", 0), []).append(r)
+        for members in groups.values():  # the pieces of one dp group are the whole state, once
+            assert sum(r["state_elements"] for r in members) == members[0]["full_state_elements"], where
+
+
+def test_zero1_elements_dp2() -> None:
+    plan = [("dp", "adamw-foreach", True), ("dp", "adamw-loop", False), ("dp", "lamb", True)]
+    _check(run_distributed(_worker, 2, plan))
+
+
+def test_zero1_elements_dp4_and_dp2_tp2() -> None:
+    plan = [("dp", "adamw-foreach", True), ("dp", "lamb", True), ("dp_tp", "adamw-foreach", True),
+            ("dp_tp", "lamb", False)]  # fmt: skip
+    _check(run_distributed(_worker, 4, plan))
+
+
+def _refuses(rank: int, world_size: int) -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model = GPT(GPTConfig(**CONFIG))
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+    zero = apply_zero([UnitTree(model, [model.layers()])], mesh["dp"], stage=1)
+    opt = torch.optim.Adafactor(model.parameters(), lr=LR)
+    with pytest.raises(ValueError, match="Adafactor may look at whole parameters.*zero1_sharding='parameters'"):
+        zero.attach_optimizers([opt])
+    zero = apply_zero([UnitTree(model, [model.layers()])], mesh["dp"], stage=1, zero1_sharding="parameters")
+    zero.attach_optimizers([opt])  # whole parameters by owner: any optimizer
+    dist.barrier()
+    return "ok"
+
+
+def test_a_non_elementwise_optimizer_is_refused_by_name() -> None:
+    assert run_distributed(_refuses, 2) == ["ok", "ok"]
