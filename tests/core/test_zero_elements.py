@@ -129,7 +129,8 @@ def _run(kind: str, overlap: bool, dp_mesh: Any, tp_mesh: Any) -> dict[str, Any]
         (_full(p) - r.detach()).abs().max().item() for p, r in zip(model.parameters(), ref.parameters())
     )
     state_numel = [
-        sum(v.numel() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0) for s in opt.state.values()
+        sum(v.numel() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+        for s in opt.state.values()
     ]
     out["state_elements"] = sum(state_numel)
     out["full_state_elements"] = 2 * sum(_local_numel(p) for p in model.parameters())  # two moments
@@ -231,7 +232,9 @@ def _refuses(rank: int, world_size: int) -> str:
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
     zero = apply_zero([UnitTree(model, [model.layers()])], mesh["dp"], stage=1)
     opt = torch.optim.Adafactor(model.parameters(), lr=LR)
-    with pytest.raises(ValueError, match="Adafactor may look at whole parameters.*zero1_sharding='parameters'"):
+    with pytest.raises(
+        ValueError, match=r"Adafactor may look at whole parameters.*zero1_sharding='parameters'"
+    ):
         zero.attach_optimizers([opt])
     zero = apply_zero([UnitTree(model, [model.layers()])], mesh["dp"], stage=1, zero1_sharding="parameters")
     zero.attach_optimizers([opt])  # whole parameters by owner: any optimizer

@@ -31,7 +31,9 @@ SUPPORTED = ("32-true", "bf16-mixed")
 
 class _GlobalNormClipping:
     before_optimizer_step: Callable[[Optimizer], None] | None = None
-    grad_norm_group: Any = None  # ranks holding different gradients (pipeline stages, ZeRO-1 pieces), or a callable
+    grad_norm_group: Any = (
+        None  # ranks holding different gradients (pipeline stages, ZeRO-1 pieces), or a callable
+    )
 
     def _set_hooks(
         self, before_optimizer_step: Callable[[Optimizer], None] | None, grad_norm_group: Any

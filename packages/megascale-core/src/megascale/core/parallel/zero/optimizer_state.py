@@ -303,7 +303,9 @@ def register_unit_waits(
         inside = {id(m) for m in u.modules()}
         nested = [v for v in unique if v is not u and id(v) in inside]
         others = {id(p) for v in nested for p in v.parameters()}
-        buckets = sorted({bucket_of[id(p)] for p in u.parameters() if id(p) in bucket_of and id(p) not in others})
+        buckets = sorted(
+            {bucket_of[id(p)] for p in u.parameters() if id(p) in bucket_of and id(p) not in others}
+        )
         if buckets:
 
             def pre_hook(module: nn.Module, args: Any, buckets: list[int] = buckets) -> None:

@@ -11,7 +11,6 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
@@ -295,6 +294,7 @@ def _like(p: Tensor, whole_local: Tensor) -> Tensor:
         return whole_local
     from torch.distributed.tensor import DTensor
 
+    assert isinstance(p, DTensor)
     return DTensor.from_local(
-        whole_local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()  # type: ignore[attr-defined]
+        whole_local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
     )
