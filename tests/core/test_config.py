@@ -3,6 +3,7 @@
 import pytest
 
 from megascale.core import GPTConfig
+from megascale.core.config import RopeScaling
 
 
 @pytest.mark.parametrize(
@@ -22,6 +23,8 @@ from megascale.core import GPTConfig
         (dict(dropout=1.0), "dropout=1.0 must be in [0, 1)"),
         (dict(init_std=0.0), "must be > 0"),
         (dict(kernels={"attn": "sdpa"}), "unknown kernels ['attn']"),
+        (dict(head_size=7), "head_size=7 must be even"),
+        (dict(rope_scaling={"factor": 8.0, "scale": 2}), "rope_scaling has unknown keys ['scale']"),
     ],
 )
 def test_invalid_configs_are_rejected_with_a_message(kwargs, message):
@@ -38,6 +41,38 @@ def test_defaults_and_derived_sizes():
     assert cfg.ffn_dim == 2048  # ⅔ · 4 · 768 = 2048, already a multiple of 256
     assert GPTConfig(d_model=768, activation="gelu").ffn_dim == 3072
     assert GPTConfig(d_model=64, n_heads=4, ffn_hidden=100).ffn_dim == 100
+
+
+def test_head_size_sets_the_attention_width_apart_from_d_model():
+    cfg = GPTConfig(d_model=100, n_heads=3, head_size=32)  # 100 is not divisible by 3: fine with head_size
+    assert cfg.head_dim == 32
+    assert GPTConfig(d_model=64, n_heads=4).head_dim == 16
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(factor=0.0), "factor=0.0 must be > 0"),
+        (dict(low_freq_factor=4.0, high_freq_factor=1.0), "0 < low_freq_factor < high_freq_factor"),
+        (dict(original_max_seq_len=0), "original_max_seq_len=0 must be >= 1"),
+        (dict(kind="yarn"), "kind='yarn' is not a known rope scaling"),
+    ],
+)
+def test_invalid_rope_scaling_is_rejected(kwargs, message):
+    good = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_seq_len=8192)
+    with pytest.raises(ValueError, match="invalid RopeScaling") as info:
+        GPTConfig(rope_scaling={**good, **kwargs})
+    assert message in str(info.value)
+
+
+def test_rope_scaling_survives_to_dict_as_a_plain_dict():
+    scaling = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_seq_len=8192)
+    cfg = GPTConfig(rope_scaling=scaling)
+    saved = cfg.to_dict()
+    assert saved["rope_scaling"] == dict(
+        factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_seq_len=8192, kind="llama3"
+    )
+    assert GPTConfig(**saved) == cfg and GPTConfig(**saved).rope_scaling == scaling
 
 
 def test_window_per_layer():

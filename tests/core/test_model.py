@@ -96,7 +96,10 @@ def test_grouped_query_attention_shrinks_key_value_projections():
     ],
 )
 def test_training_reduces_the_loss(overrides):
-    model = _model(**overrides)
+    _assert_training_reduces_the_loss(_model(**overrides))
+
+
+def _assert_training_reduces_the_loss(model: GPT) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     tokens = torch.randint(0, 100, (4, 17), generator=torch.Generator().manual_seed(0))
     losses = []
@@ -129,10 +132,53 @@ def test_flops_per_token():
     assert flops_per_token(cfg, 16) == pytest.approx(6 * matmuls + 12 * d * (16 + 1) / 2)
     windowed = GPTConfig(**{**TINY, "n_layers": 1, "sliding_window": 4})
     assert flops_per_token(windowed, 16) < flops_per_token(cfg, 16)
+    # heads wider than d_model / n_heads: q and o are n_heads·head_size wide, and so is the attention
+    wide = GPTConfig(**{**TINY, "n_layers": 1, "head_size": 16, "n_kv_heads": 2})
+    q, kv = 4 * 16, 2 * 16
+    matmuls = d * (q + 2 * kv) + q * d + 3 * d * f + d * v
+    assert flops_per_token(wide, 16) == pytest.approx(6 * matmuls + 12 * q * (16 + 1) / 2)
     # a window as long as the sequence costs the same as full attention
     assert flops_per_token(GPTConfig(**{**TINY, "sliding_window": 16}), 16) == flops_per_token(
         GPTConfig(**TINY), 16
     )
+
+
+@pytest.mark.parametrize("parallel_block", [True, False], ids=["parallel", "sequential"])
+def test_options_of_hugging_face_families(parallel_block):
+    """qkv_bias, qk_norm, head_size and rope_scaling build, initialise like a meta build, and train in both
+    block kinds (their numerics against transformers: tests/core/hf)."""
+    options = dict(TINY, parallel_block=parallel_block, qkv_bias=True, qk_norm=True, head_size=16, n_kv_heads=2,
+                   rope_scaling=dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_seq_len=8))  # fmt: skip
+    model = _model(**options)
+    params = dict(model.named_parameters())
+    biases = sorted(n.split(".")[-2] for n in params if n.endswith("bias") and n.startswith("blocks.0."))
+    assert biases == ["k", "q", "v"]  # q, k, v only: not o, not the MLP
+    attn = "blocks.0.attn" if parallel_block else "blocks.0.attn.core"
+    assert params[f"{attn}.q_norm.weight"].shape == params[f"{attn}.k_norm.weight"].shape == (16,)
+    proj = model.blocks["0"].in_proj if parallel_block else model.blocks["0"].attn.in_proj
+    assert proj["q"].weight.shape == (4 * 16, 32) and proj["k"].weight.shape == (2 * 16, 32)
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        lazy = GPT(GPTConfig(**options))
+    lazy.to_empty(device="cpu")
+    lazy.init_weights(model.init_seed)
+    for (name, a), b in zip(model.state_dict().items(), lazy.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert torch.equal(model.rope.cos, lazy.rope.cos)
+    _assert_training_reduces_the_loss(model)
+
+
+def test_rope_scaling_slows_only_the_low_frequencies():
+    from megascale.core.kernels import rope_frequencies
+
+    plain = rope_frequencies(16, 500000.0)
+    scaled = rope_frequencies(16, 500000.0, GPTConfig(rope_scaling=dict(
+        factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_seq_len=64)).rope_scaling)  # fmt: skip
+    wavelength = 2 * math.pi / plain  # 6.3, 32.4, 167, ...: kept below 64/4, slowed 8x above 64/1
+    assert torch.equal(scaled[wavelength < 16], plain[wavelength < 16])
+    assert torch.allclose(scaled[wavelength > 64], plain[wavelength > 64] / 8)
+    between = (wavelength >= 16) & (wavelength <= 64)
+    assert between.sum() == 1 and plain[between] / 8 < scaled[between] < plain[between]
 
 
 def test_greedy_generation_is_deterministic():

@@ -96,8 +96,38 @@ def _cases(tp: int, parallel_block: bool) -> list[dict]:
 @pytest.mark.parametrize("parallel_block", [True, False], ids=["parallel", "sequential"])
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tensor_parallel_matches_unsharded(tp: int, parallel_block: bool):
-    cases = _cases(tp, parallel_block)
-    reports = run_distributed(_compare, tp, cases)
+    _check_reports(run_distributed(_compare, tp, _cases(tp, parallel_block)))
+
+
+def _hf_option_cases() -> list[dict]:
+    """Each option Hugging Face models need, alone, in a sequential block without SP and a parallel block
+    with SP; q/k norms (replicated weights inside the head-split region, gradients summed over tp) in all
+    four combinations."""
+    options = {
+        "qkv_bias": dict(qkv_bias=True),
+        "qk_norm": dict(qk_norm=True),
+        "head_size": dict(head_size=8),  # 4 heads of 8 on a 64-wide stream
+        "rope_scaling": dict(
+            rope_scaling=dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_seq_len=8)
+        ),
+    }
+    cases = []
+    for name, option in options.items():
+        layouts = [(False, False), (True, True)]
+        if name == "qk_norm":
+            layouts += [(False, True), (True, False)]
+        for parallel_block, sp in layouts:
+            config = dict(BASE, n_heads=4, n_kv_heads=2, parallel_block=parallel_block, **option)
+            block = "parallel" if parallel_block else "sequential"
+            cases.append(dict(name=f"{name} {block} sp={sp}", config=config, sp=sp, overlap=True))
+    return cases
+
+
+def test_hugging_face_options_under_tensor_parallel():
+    _check_reports(run_distributed(_compare, 2, _hf_option_cases()))
+
+
+def _check_reports(reports: list[list[dict]]) -> None:
     for rank_report in reports:
         for r in rank_report:
             assert r["loss"] == pytest.approx(r["ref_loss"], abs=LOSS_ATOL), r

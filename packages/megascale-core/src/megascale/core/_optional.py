@@ -1,4 +1,5 @@
-"""The one place megascale-core probes optional accelerator packages: flash-attn, NVIDIA apex, Triton.
+"""The one place megascale-core probes optional packages: flash-attn, NVIDIA apex, Triton (accelerators) and
+safetensors (Hugging Face checkpoints, ``megascale.core.hf``).
 
 Probes are lazy (nothing is imported until a kernel asks) and cached. Each returns the module, or None and a
 reason a user can act on, so the kernel registry can say which backend runs and why. No warnings at import.
@@ -19,6 +20,7 @@ __all__ = [
     "apex_optimizers",
     "flash_attn",
     "missing_reason",
+    "safetensors",
     "triton",
     "triton_interpreted",
 ]
@@ -28,6 +30,7 @@ _INSTALL_HINTS = {
     "apex": "NVIDIA apex is not on PyPI (the PyPI 'apex' is another project): build it from "
     "https://github.com/NVIDIA/apex with --cpp_ext --cuda_ext",
     "triton": "pip install 'megascale-core[triton]' (CUDA builds of torch ship it)",
+    "safetensors": "pip install 'megascale-core[hf]'",
 }
 
 _reasons: dict[str, str] = {}
@@ -73,6 +76,11 @@ def apex_norms_unavailable(device: torch.device) -> str | None:
     if apex_norms() is None:
         return missing_reason("apex.normalization.fused_layer_norm")
     return None
+
+
+def safetensors() -> ModuleType | None:
+    """safetensors with its torch bindings (``safetensors.torch``), or None."""
+    return _probe("safetensors", "safetensors.torch")
 
 
 def triton() -> ModuleType | None:

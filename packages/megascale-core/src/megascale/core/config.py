@@ -7,13 +7,55 @@ can be split ``tp`` ways, so a wrong layout fails before any process group is to
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
 from typing import Literal
 
-__all__ = ["GPTConfig"]
+__all__ = ["GPTConfig", "RopeScaling"]
 
 NormKind = Literal["rmsnorm", "layernorm"]
 ActivationKind = Literal["swiglu", "gelu"]
+RopeScalingKind = Literal["llama3"]
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Rescaled rotary frequencies for contexts longer than the model was pretrained on.
+
+    ``kind="llama3"`` (Llama 3.1/3.2, Hugging Face's ``rope_scaling`` of ``rope_type: "llama3"``): frequencies
+    whose wavelength is shorter than ``original_max_seq_len / high_freq_factor`` are kept, those longer than
+    ``original_max_seq_len / low_freq_factor`` are divided by ``factor``, and those between are interpolated
+    smoothly between the two.
+
+    Args:
+        factor: how much the low frequencies are slowed down (Llama 3.1: 8).
+        low_freq_factor: bound of the slowed-down band, as a divisor of ``original_max_seq_len`` (Llama 3.1: 1).
+        high_freq_factor: bound of the kept band, likewise (Llama 3.1: 4); must exceed ``low_freq_factor``.
+        original_max_seq_len: context length of pretraining (Llama 3.1: 8192).
+        kind: the scaling rule; "llama3" is the one implemented.
+    """
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_seq_len: int
+    kind: RopeScalingKind = "llama3"
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.kind != "llama3":
+            problems.append(f"kind={self.kind!r} is not a known rope scaling; known: ['llama3']")
+        if not self.factor > 0:
+            problems.append(f"factor={self.factor} must be > 0")
+        if not 0 < self.low_freq_factor < self.high_freq_factor:
+            problems.append(
+                f"low_freq_factor={self.low_freq_factor} and high_freq_factor={self.high_freq_factor} must "
+                "satisfy 0 < low_freq_factor < high_freq_factor"
+            )
+        if self.original_max_seq_len < 1:
+            problems.append(f"original_max_seq_len={self.original_max_seq_len} must be >= 1")
+        if problems:
+            raise ValueError("invalid RopeScaling: " + "; ".join(problems))
 
 
 @dataclass
@@ -26,8 +68,10 @@ class GPTConfig:
             the loss or sampling.
         d_model: width of the residual stream.
         n_layers: transformer blocks.
-        n_heads: query heads; ``d_model`` must be divisible by it.
+        n_heads: query heads; ``d_model`` must be divisible by it unless ``head_size`` is given.
         n_kv_heads: key/value heads (grouped-query attention); None = ``n_heads`` (multi-head), 1 = multi-query.
+        head_size: width of one attention head; None = d_model / n_heads. Given, the attention is
+            n_heads·head_size wide whatever d_model is (Qwen3: 16 heads of 128 on a 1024-wide stream).
         ffn_hidden: width of the MLP; None = 4·d_model for GeLU, or ⅔·4·d_model rounded up to
             ``ffn_multiple_of`` for SwiGLU (same parameter count, as in LLaMA).
         ffn_multiple_of: rounding of the default SwiGLU width.
@@ -40,11 +84,16 @@ class GPTConfig:
         full_attention_every: with a sliding window, every n-th layer (layers n-1, 2n-1, ...) attends fully,
             Gemma-style local/global interleaving; None = every layer uses the window.
         rope_theta: base of the rotary position embedding frequencies.
+        rope_scaling: rescaled rotary frequencies for long contexts (``RopeScaling``; a dict of its fields is
+            accepted too, as a saved config holds it); None = plain RoPE.
         tie_embeddings: share the input embedding with the output projection.
         dropout: on embeddings and on each sub-block's output before the residual add.
         init_std: standard deviation of weight init; output projections are scaled by 1/sqrt(2·n_layers).
         norm_eps: epsilon of the norms.
-        bias: biases in the linear layers.
+        bias: biases in every linear layer (and in LayerNorm).
+        qkv_bias: biases in the query, key and value projections only (Qwen2); implied by ``bias``.
+        qk_norm: normalise each query and key head over its ``head_dim`` features (a norm of kind ``norm``
+            with one weight of ``head_dim`` shared by all heads) before the rotary embedding (Qwen3).
         pad_vocab_to_multiple_of: embedding rows are padded to a multiple of this (128 covers tp up to 128).
         kernels: force kernel backends, e.g. {"attention": "sdpa", "rms_norm": "triton"}; empty = fastest
             available (see ``megascale.core.kernels``).
@@ -55,6 +104,7 @@ class GPTConfig:
     n_layers: int = 12
     n_heads: int = 12
     n_kv_heads: int | None = None
+    head_size: int | None = None
     ffn_hidden: int | None = None
     ffn_multiple_of: int = 256
     max_seq_len: int = 1024
@@ -64,11 +114,14 @@ class GPTConfig:
     sliding_window: int | None = None
     full_attention_every: int | None = None
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
     tie_embeddings: bool = False
     dropout: float = 0.0
     init_std: float = 0.02
     norm_eps: float = 1e-5
     bias: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
     pad_vocab_to_multiple_of: int = 128
     kernels: dict[str, str] = field(default_factory=dict)
 
@@ -87,10 +140,15 @@ class GPTConfig:
                 problems.append(f"{name}={getattr(self, name)} must be >= 1")
         if problems:
             raise ValueError("invalid GPTConfig: " + "; ".join(problems))
-        if self.d_model % self.n_heads:
+        if isinstance(self.rope_scaling, Mapping):  # a saved config (to_dict) holds it as a dict
+            self.rope_scaling = _rope_scaling_from_dict(self.rope_scaling)
+        if self.head_size is not None:
+            if self.head_size < 2 or self.head_size % 2:
+                problems.append(f"head_size={self.head_size} must be even (rotary embeddings) and >= 2")
+        elif self.d_model % self.n_heads:
             problems.append(
                 f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}: choose n_heads among "
-                f"{_divisors(self.d_model)[:12]}"
+                f"{_divisors(self.d_model)[:12]}, or set head_size"
             )
         elif self.head_dim % 2:
             problems.append(
@@ -130,7 +188,8 @@ class GPTConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        """Width of one attention head: ``head_size``, or d_model / n_heads."""
+        return self.d_model // self.n_heads if self.head_size is None else self.head_size
 
     @property
     def kv_heads(self) -> int:
@@ -186,6 +245,16 @@ class GPTConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def _rope_scaling_from_dict(d: Mapping) -> RopeScaling:
+    known = {f.name for f in fields(RopeScaling)}
+    unknown = set(d) - known
+    if unknown:
+        raise ValueError(
+            f"invalid GPTConfig: rope_scaling has unknown keys {sorted(unknown)}; known: {sorted(known)}"
+        )
+    return RopeScaling(**d)
 
 
 _KERNEL_NAMES = {"attention", "rms_norm", "layer_norm", "bias_gelu", "swiglu", "rope", "cross_entropy"}

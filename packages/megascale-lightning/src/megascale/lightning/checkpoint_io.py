@@ -8,11 +8,16 @@ Layout of ``path/`` (Lightning names it ``epoch=…-step=….ckpt``, a directory
     meta.pt                   everything else Lightning keeps (loops, callbacks, LR schedulers, data-module
                               state, hyper-parameters), written by rank 0, read with ``weights_only=True``.
 
-ZeRO-1 keeps optimizer state only on each parameter's owner: each rank saves the states it owns, and on
-load asks only for the states it owns in the new layout (see ``OptimizerStateSharding.init_owned_state``).
+ZeRO-1 (zero1_sharding="elements") holds 1/dp of every parameter's state between steps; a checkpoint gets it
+whole, gathered over dp just before the state dict is taken (``ShardedOptimizerStep.gather_state``), and cut
+into pieces again at the next step. With zero1_sharding="parameters" the state stays on each parameter's
+owner: each rank saves the states it owns, and on load asks only for those it owns in the new layout (see
+``OptimizerStateSharding.init_owned_state``).
 
 ``convert_to_torch`` turns a checkpoint into one plain file for inference (config + model weights) without
-loading optimizer states; ``load_gpt`` rebuilds the GPT from it.
+loading optimizer states; ``load_gpt`` rebuilds the GPT from it. ``convert_from_hf`` writes that file from a
+Hugging Face model directory, ``convert_to_hf`` writes a Hugging Face directory from it or from a checkpoint
+(``megascale.core.hf``; needs ``pip install 'megascale-core[hf]'``).
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ from megascale.core import GPT, GPTConfig
 __all__ = [
     "META_FILE",
     "apply_states",
+    "convert_from_hf",
+    "convert_to_hf",
     "convert_to_torch",
     "is_checkpoint",
     "load",
@@ -49,6 +56,7 @@ __all__ = [
 
 META_FILE = "meta.pt"
 MODEL_KEY = "state_dict"
+ONE_FILE_FORMAT = "megascale-gpt-v1"
 
 
 def is_checkpoint(path: str | Path) -> bool:
@@ -169,7 +177,12 @@ def convert_to_torch(checkpoint: str | Path, output: str | Path, *, module_attri
     Reads only the model's tensors (not optimizer states), on one process. ``module_attribute`` is the
     attribute of the LightningModule holding the GPT (``GPTModule.model``).
     """
-    checkpoint, output = Path(checkpoint), Path(output)
+    config, weights = _read_checkpoint(Path(checkpoint), module_attribute)
+    return _write_one_file(Path(output), config, weights)
+
+
+def _read_checkpoint(checkpoint: Path, module_attribute: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(GPTConfig dict, the GPT's weights) of a checkpoint directory, optimizer states left unread."""
     if not is_checkpoint(checkpoint):
         raise ValueError(f"{checkpoint} is not a complete megascale checkpoint directory")
     reader = FileSystemReader(checkpoint)
@@ -187,25 +200,66 @@ def convert_to_torch(checkpoint: str | Path, output: str | Path, *, module_attri
     config = meta.get("hyper_parameters", {}).get("config")
     if not isinstance(config, dict):
         raise ValueError(f"{checkpoint} has no GPT config in its hyper-parameters (saved by GPTModule?)")
-    weights = {key[len(prefix) :]: tensor for key, tensor in state.items()}
+    return config, {key[len(prefix) :]: tensor for key, tensor in state.items()}
+
+
+def _write_one_file(output: Path, config: dict[str, Any], weights: dict[str, Any]) -> Path:
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = output.with_name(output.name + ".tmp")
-    torch.save({"config": config, "state_dict": weights, "format": "megascale-gpt-v1"}, tmp)
+    torch.save({"config": config, "state_dict": weights, "format": ONE_FILE_FORMAT}, tmp)
     tmp.replace(output)
     return output
 
 
-def load_gpt(path: str | Path, device: torch.device | str = "cpu") -> GPT:
-    """The GPT stored by ``convert_to_torch`` (loaded with ``weights_only=True``)."""
+def _read_one_file(path: str | Path, device: torch.device | str = "cpu") -> dict[str, Any]:
     saved = torch.load(path, weights_only=True, map_location=device)
-    if saved.get("format") != "megascale-gpt-v1":
-        raise ValueError(f"{path} is not a file written by convert_to_torch")
+    if not isinstance(saved, dict) or saved.get("format") != ONE_FILE_FORMAT:
+        raise ValueError(f"{path} is not a file written by convert_to_torch or convert_from_hf")
+    return saved
+
+
+def load_gpt(path: str | Path, device: torch.device | str = "cpu") -> GPT:
+    """The GPT stored by ``convert_to_torch`` or ``convert_from_hf`` (loaded with ``weights_only=True``)."""
+    saved = _read_one_file(path, device)
     with torch.device("meta"):
         model = GPT(GPTConfig(**saved["config"]))
     model.load_state_dict(saved["state_dict"], assign=True, strict=True)
     model.rope.to_empty(device=device)
     model.rope.reset_parameters()
     return model
+
+
+def convert_from_hf(hf_dir: str | Path, output: str | Path) -> Path:
+    """Write ``output`` (the format of ``convert_to_torch``, read by ``load_gpt``) from a Hugging Face model
+    directory (config.json + safetensors of a llama, qwen2, qwen3 or mistral model)."""
+    from megascale.core.hf import HFCheckpoint, gpt_config_from_hf, load_hf_state_dict
+
+    with HFCheckpoint(hf_dir) as checkpoint:
+        config = gpt_config_from_hf(checkpoint.config)
+    weights = load_hf_state_dict(hf_dir, config)
+    return _write_one_file(Path(output), config.to_dict(), weights)
+
+
+def convert_to_hf(
+    source: str | Path,
+    hf_dir: str | Path,
+    *,
+    model_type: str = "llama",
+    max_shard_size: int | str = "5GB",
+    module_attribute: str = "model",
+) -> list[Path]:
+    """Write a Hugging Face model directory (config.json + safetensors, loadable by transformers'
+    ``AutoModelForCausalLM``) from ``source``: a file of ``convert_to_torch``/``convert_from_hf``, or a
+    checkpoint directory (model tensors only are read). Returns the files written."""
+    from megascale.core.hf import save_hf
+
+    source = Path(source)
+    if source.is_dir():
+        config, weights = _read_checkpoint(source, module_attribute)
+    else:
+        saved = _read_one_file(source)
+        config, weights = saved["config"], saved["state_dict"]
+    return save_hf(weights, GPTConfig(**config), hf_dir, model_type, max_shard_size=max_shard_size)
 
 
 def remove(path: str | Path) -> None:

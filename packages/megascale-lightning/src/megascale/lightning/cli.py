@@ -6,6 +6,8 @@
 #     python -m megascale.lightning.cli fit --print_config   # every option, model.config.* included
 #     megascale configs                                     # shipped configs and their paths
 #     megascale convert CHECKPOINT_DIR model.pt             # a checkpoint → one plain file for inference
+#     megascale convert --from-hf HF_DIR model.pt           # a Hugging Face model → that file
+#     megascale convert --to-hf model.pt HF_DIR --model-type qwen2   # that file (or a checkpoint) → Hugging Face
 #
 # Choices where the brief left room:
 # - `--config NAME` falls back to the shipped config of that name when no file NAME exists, so the examples
@@ -76,18 +78,46 @@ def _print_configs() -> None:
 def _convert(argv: list[str]) -> None:
     import argparse
 
-    from megascale.lightning.checkpoint_io import convert_to_torch
+    from megascale.core.hf import MODEL_TYPES
+    from megascale.lightning.checkpoint_io import convert_from_hf, convert_to_hf, convert_to_torch
 
     parser = argparse.ArgumentParser(
         prog="megascale convert",
         description="Turn a MegaScaleStrategy checkpoint directory into one plain file for inference: "
         "{'config': GPTConfig dict, 'state_dict': weights}, loadable with torch.load(weights_only=True) "
-        "and megascale.lightning.checkpoint_io.load_gpt.",
+        "and megascale.lightning.checkpoint_io.load_gpt. --from-hf writes that file from a Hugging Face model "
+        "directory; --to-hf writes a Hugging Face model directory from that file or a checkpoint "
+        "(both need pip install 'megascale-core[hf]').",
     )
-    parser.add_argument("checkpoint", help="checkpoint directory (e.g. checkpoints/run/last.ckpt)")
-    parser.add_argument("output", help="file to write, e.g. model.pt")
+    direction = parser.add_mutually_exclusive_group()
+    direction.add_argument("--from-hf", action="store_true", help="SOURCE is a Hugging Face model directory")
+    direction.add_argument(
+        "--to-hf", action="store_true", help="OUTPUT is a Hugging Face model directory to write"
+    )
+    parser.add_argument("source", help="checkpoint directory (e.g. checkpoints/run/last.ckpt), or see above")
+    parser.add_argument("output", help="file to write, e.g. model.pt; with --to-hf a directory")
+    parser.add_argument(
+        "--model-type", choices=MODEL_TYPES, default=None, help="with --to-hf: the family (default llama)"
+    )
+    parser.add_argument(
+        "--max-shard-size",
+        default=None,
+        help="with --to-hf: bytes per safetensors file, e.g. 2GB (default 5GB)",
+    )
     ns = parser.parse_args(argv)
-    out = convert_to_torch(ns.checkpoint, ns.output)
+    if not ns.to_hf and (ns.model_type is not None or ns.max_shard_size is not None):
+        parser.error("--model-type and --max-shard-size go with --to-hf")
+    if ns.to_hf:
+        files = convert_to_hf(
+            ns.source,
+            ns.output,
+            model_type=ns.model_type or "llama",
+            max_shard_size=ns.max_shard_size or "5GB",
+        )
+        size = sum(f.stat().st_size for f in files)
+        print(f"wrote {ns.output}: {len(files)} files ({size / 2**20:.1f} MiB)")
+        return
+    out = (convert_from_hf if ns.from_hf else convert_to_torch)(ns.source, ns.output)
     print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB)")
 
 
@@ -95,7 +125,8 @@ def main(args: ArgsType = None) -> None:
     """Run the CLI on ``args`` (default: the command line).
 
     ``megascale configs`` lists the shipped configs; ``megascale convert CKPT OUT`` writes a checkpoint's
-    model as one plain file; anything else goes to LightningCLI (subcommands fit, validate, test, predict).
+    model as one plain file (``--from-hf``/``--to-hf``: from and to Hugging Face); anything else goes to
+    LightningCLI (subcommands fit, validate, test, predict).
     """
     argv = sys.argv[1:] if args is None else args
     if isinstance(argv, list) and argv[:1] == ["configs"]:

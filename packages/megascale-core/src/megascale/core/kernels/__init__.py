@@ -17,7 +17,7 @@ from megascale.core.kernels.registry import (
     reset,
 )
 from megascale.core.kernels.rms_norm import rms_norm
-from megascale.core.kernels.rope import apply_rope, rope_tables
+from megascale.core.kernels.rope import apply_rope, rope_frequencies, rope_tables
 from megascale.core.kernels.swiglu import swiglu
 
 __all__ = [
@@ -33,6 +33,7 @@ __all__ = [
     "layer_norm",
     "reset",
     "rms_norm",
+    "rope_frequencies",
     "rope_tables",
     "swiglu",
 ]

@@ -1,7 +1,9 @@
 """Self-attention: the projection-free core (rotary + softmax attention) and the sequential-block layer.
 
 The core reads its head counts from the shapes it is given, so after tensor parallelism splits the heads it
-simply sees fewer of them. Selective activation checkpointing recomputes this core alone.
+simply sees fewer of them. Selective activation checkpointing recomputes this core alone. Its only
+parameters are the optional per-head query/key norms (``qk_norm``), one ``head_dim`` weight each, shared by
+all heads: tensor parallelism replicates them and sums their gradients over the ranks' heads.
 """
 
 from __future__ import annotations
@@ -12,9 +14,10 @@ from torch import nn
 from megascale.core import kernels
 from megascale.core.config import GPTConfig
 from megascale.core.model.linear import FanInLinear, FanOutLinear
+from megascale.core.model.norm import make_norm
 from megascale.core.model.rope import RotaryEmbedding
 
-__all__ = ["Attention", "SelfAttention", "qkv_features"]
+__all__ = ["Attention", "SelfAttention", "qkv_bias_names", "qkv_features"]
 
 
 def qkv_features(config: GPTConfig) -> dict[str, int]:
@@ -25,8 +28,16 @@ def qkv_features(config: GPTConfig) -> dict[str, int]:
     }
 
 
+def qkv_bias_names(config: GPTConfig) -> tuple[str, ...]:
+    """The projections among q, k, v that carry a bias (all three with ``bias`` or ``qkv_bias``, else none)."""
+    return ("q", "k", "v") if config.bias or config.qkv_bias else ()
+
+
 class SelfAttention(nn.Module):
-    """softmax(rope(q) rope(k)^T / sqrt(hd) + causal/window mask) v, on (B, T, heads·hd) projections."""
+    """softmax(rope(q) rope(k)^T / sqrt(hd) + causal/window mask) v, on (B, T, heads·hd) projections.
+
+    With ``qk_norm``, q and k are normalised per head (``q_norm``, ``k_norm``) before the rotary embedding.
+    """
 
     def __init__(self, config: GPTConfig, rope: RotaryEmbedding, window: int | None) -> None:
         super().__init__()
@@ -36,12 +47,16 @@ class SelfAttention(nn.Module):
         self.rope = rope
         self.rope_backend = config.kernels.get("rope")
         self.attention_backend = config.kernels.get("attention")
+        self.q_norm = make_norm(config, config.head_dim) if config.qk_norm else None
+        self.k_norm = make_norm(config, config.head_dim) if config.qk_norm else None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         B, T, _ = q.shape
         q = q.view(B, T, -1, self.head_dim)  # (B, T, H, hd)
         k = k.view(B, T, -1, self.head_dim)  # (B, T, KV, hd)
         v = v.view(B, T, -1, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = kernels.apply_rope(q, self.rope.cos, self.rope.sin, backend=self.rope_backend)
         k = kernels.apply_rope(k, self.rope.cos, self.rope.sin, backend=self.rope_backend)
         y = kernels.attention(
@@ -64,7 +79,7 @@ class Attention(nn.Module):
     def __init__(self, config: GPTConfig, rope: RotaryEmbedding, window: int | None) -> None:
         super().__init__()
         qkv = qkv_features(config)
-        self.in_proj = FanOutLinear(config.d_model, qkv, bias=config.bias)
+        self.in_proj = FanOutLinear(config.d_model, qkv, bias=qkv_bias_names(config))
         self.core = SelfAttention(config, rope, window)
         self.out_proj = FanInLinear({"o": qkv["q"]}, config.d_model, bias=config.bias)
 

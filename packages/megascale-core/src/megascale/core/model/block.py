@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from megascale.core.config import GPTConfig
-from megascale.core.model.attention import Attention, SelfAttention, qkv_features
+from megascale.core.model.attention import Attention, SelfAttention, qkv_bias_names, qkv_features
 from megascale.core.model.linear import FanInLinear, FanOutLinear
 from megascale.core.model.mlp import MLP, MLPActivation, fused_bias_names, mlp_features
 from megascale.core.model.norm import make_norm
@@ -25,7 +25,8 @@ class ParallelBlock(nn.Module):
         super().__init__()
         qkv, mlp = qkv_features(config), mlp_features(config)
         self.norm = make_norm(config)
-        self.in_proj = FanOutLinear(config.d_model, {**qkv, **mlp}, config.bias, fused_bias_names(config))
+        biased = [*qkv, *mlp] if config.bias else qkv_bias_names(config)
+        self.in_proj = FanOutLinear(config.d_model, {**qkv, **mlp}, biased, fused_bias_names(config))
         self.attn = SelfAttention(config, rope, window)
         self.act = MLPActivation(config)
         self.out_proj = FanInLinear({"o": qkv["q"], "down": config.ffn_dim}, config.d_model, config.bias)

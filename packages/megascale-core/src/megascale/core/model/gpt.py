@@ -82,7 +82,9 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config
-        self.rope = RotaryEmbedding(config.head_dim, config.max_seq_len, config.rope_theta)
+        self.rope = RotaryEmbedding(
+            config.head_dim, config.max_seq_len, config.rope_theta, config.rope_scaling
+        )
         self.embed = TokenEmbedding(config)
         self.blocks = nn.ModuleDict(
             {str(i): make_block(config, self.rope, i) for i in range(config.n_layers)}
@@ -90,6 +92,9 @@ class GPT(nn.Module):
         self.head = LMHead(config)
         self.loss_fn = NextTokenLoss(config)
         self._tie_weights()
+        # load_state_dict(assign=True) replaces each module's parameter by its own entry, which would untie
+        # the shared embedding: tie it again after every load.
+        self.register_load_state_dict_post_hook(_retie_after_load)
         # Drawn now, used whenever the weights are materialised: a model built on the meta device and
         # initialised later (after it was split) gets the weights a direct build gets.
         self.init_seed = int(torch.randint(0, 2**62, (), dtype=torch.int64, device="cpu").item())
@@ -182,6 +187,10 @@ class GPT(nn.Module):
         return total
 
 
+def _retie_after_load(module: nn.Module, incompatible_keys: object) -> None:
+    cast(GPT, module)._tie_weights()
+
+
 def _normal_(param: torch.Tensor, std: float, name: str, seed: int) -> None:
     """Fill ``param`` (or its shard) with the values N(0, std) gives the whole tensor under (seed, name)."""
     target = local(param)
@@ -205,11 +214,12 @@ def flops_per_token(config: GPTConfig, seq_len: int) -> float:
     """Training FLOPs per token (forward + backward): 6·N for the matmuls plus the attention scores.
 
     N excludes the embedding lookup (no matmul) but includes the output projection; attention adds
-    12·layers·d_model·(keys attended), counting a sliding window's keys only (PaLM appendix B).
+    12·layers·(n_heads·head_dim)·(keys attended), counting a sliding window's keys only (PaLM appendix B);
+    n_heads·head_dim is d_model unless ``head_size`` sets another head width.
     """
     d, L = config.d_model, config.n_layers
-    kv = config.kv_heads * config.head_dim
-    per_block = d * (d + 2 * kv) + d * d  # q, k, v, o
+    q, kv = config.n_heads * config.head_dim, config.kv_heads * config.head_dim
+    per_block = d * (q + 2 * kv) + q * d  # q, k, v, o
     per_block += (3 if config.activation == "swiglu" else 2) * d * config.ffn_dim
     matmul_params = L * per_block + d * config.padded_vocab_size
     keys = 0.0
@@ -217,4 +227,4 @@ def flops_per_token(config: GPTConfig, seq_len: int) -> float:
         w = config.window_for_layer(layer)
         # average number of keys a query attends under a causal (windowed) mask
         keys += (seq_len + 1) / 2 if w is None or w >= seq_len else w - (w * (w - 1)) / (2 * seq_len)
-    return 6.0 * matmul_params + 12.0 * d * keys
+    return 6.0 * matmul_params + 12.0 * q * keys

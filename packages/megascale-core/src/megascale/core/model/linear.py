@@ -9,7 +9,7 @@ which is how MegaScale halves the communication of a parallel block. Parameters 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from typing import cast
 
 import torch
@@ -34,14 +34,22 @@ class Projection(nn.Module):
 class FanOutLinear(nn.ModuleDict):
     """y_name = x W_name^T + b_name for several projections of one input, returned in declaration order.
 
-    Names in ``fused_bias`` get no bias added here: the next kernel adds it (fused bias-GeLU), reading it
-    through ``bias_of``.
+    ``bias``: True = every projection has one, or the names of those that do (Qwen2's q, k, v beside an
+    unbiased MLP in one parallel block). Names in ``fused_bias`` get no bias added here: the next kernel adds
+    it (fused bias-GeLU), reading it through ``bias_of``.
     """
 
     def __init__(
-        self, in_features: int, out_features: Mapping[str, int], bias: bool, fused_bias: Iterable[str] = ()
+        self,
+        in_features: int,
+        out_features: Mapping[str, int],
+        bias: bool | Collection[str],
+        fused_bias: Iterable[str] = (),
     ) -> None:
-        super().__init__({name: Projection(in_features, n, bias) for name, n in out_features.items()})
+        biased = set(out_features) if bias is True else set() if bias is False else set(bias)
+        super().__init__(
+            {name: Projection(in_features, n, name in biased) for name, n in out_features.items()}
+        )
         self.fused_bias = frozenset(fused_bias)
 
     def projections(self) -> Iterator[tuple[str, Projection]]:

@@ -42,9 +42,9 @@ class LayerNorm(nn.Module):
             nn.init.zeros_(self.bias)
 
 
-def make_norm(config: GPTConfig) -> RMSNorm | LayerNorm:
+def make_norm(config: GPTConfig, dim: int | None = None) -> RMSNorm | LayerNorm:
+    """The config's norm over ``dim`` features (default: the residual stream's d_model)."""
+    dim = config.d_model if dim is None else dim
     if config.norm == "rmsnorm":
-        return RMSNorm(config.d_model, config.norm_eps, backend=config.kernels.get("rms_norm"))
-    return LayerNorm(
-        config.d_model, config.norm_eps, bias=config.bias, backend=config.kernels.get("layer_norm")
-    )
+        return RMSNorm(dim, config.norm_eps, backend=config.kernels.get("rms_norm"))
+    return LayerNorm(dim, config.norm_eps, bias=config.bias, backend=config.kernels.get("layer_norm"))

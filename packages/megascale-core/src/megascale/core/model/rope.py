@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from megascale.core.config import RopeScaling
 from megascale.core.kernels import rope_tables
 
 __all__ = ["RotaryEmbedding"]
@@ -19,14 +20,18 @@ class RotaryEmbedding(nn.Module):
     cos: torch.Tensor
     sin: torch.Tensor
 
-    def __init__(self, head_dim: int, max_seq_len: int, theta: float) -> None:
+    def __init__(
+        self, head_dim: int, max_seq_len: int, theta: float, scaling: RopeScaling | None = None
+    ) -> None:
         super().__init__()
-        self.head_dim, self.max_seq_len, self.theta = head_dim, max_seq_len, theta
-        cos, sin = rope_tables(max_seq_len, head_dim, theta)
+        self.head_dim, self.max_seq_len, self.theta, self.scaling = head_dim, max_seq_len, theta, scaling
+        cos, sin = rope_tables(max_seq_len, head_dim, theta, scaling=scaling)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
     def reset_parameters(self) -> None:
-        cos, sin = rope_tables(self.max_seq_len, self.head_dim, self.theta, device=self.cos.device)
+        cos, sin = rope_tables(
+            self.max_seq_len, self.head_dim, self.theta, device=self.cos.device, scaling=self.scaling
+        )
         self.cos.copy_(cos)
         self.sin.copy_(sin)

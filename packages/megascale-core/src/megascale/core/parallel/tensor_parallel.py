@@ -14,6 +14,8 @@ all-gather / reduce-scatter become identity / all-reduce:
 
     x (B, T/tp, D) → norm → [all-gather T] → Q,K,V,gate,up  (column-parallel: local heads, local ffn)
       → attention on H/tp heads, activation on ffn/tp → o, down (row-parallel) → [reduce-scatter T] → + x
+    per-head q/k norms (qk_norm), inside attention: replicated weights over the local heads, gradients
+      summed over tp (with or without SP: each rank's gradient covers its heads only)
     embedding: vocab rows split; lookups outside this rank's rows are zero, then reduce-scatter over T
     head: norm on shards → [all-gather T] → logits for this rank's vocabulary columns
     loss: vocabulary-parallel cross-entropy (``cross_entropy.py``)
@@ -34,6 +36,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distr
 
 from megascale.core import kernels
 from megascale.core._dtensor import local
+from megascale.core.model.attention import SelfAttention
 from megascale.core.model.gpt import GPT, NextTokenLoss, TokenEmbedding
 from megascale.core.model.linear import FanInLinear, FanOutLinear
 from megascale.core.model.norm import LayerNorm, RMSNorm
@@ -150,39 +153,48 @@ class RowParallelLinear(_OnTPMesh, FanInLinear):
         return f"sequence_parallel={self.sequence_parallel}, chunks={self.chunks}"
 
 
-def _replicated_weight(w: torch.Tensor | None, group: dist.ProcessGroup, sequence_parallel: bool):
-    # Under SP each rank's gradient covers only its tokens: the backward all-reduce makes it whole.
+def _replicated_weight(w: torch.Tensor | None, group: dist.ProcessGroup, sum_grads: bool):
+    # When each rank's gradient covers only a part (its tokens under SP, its heads inside attention), the
+    # backward all-reduce makes it whole.
     w = local(w)
-    return copy_to_tp_region(w, group) if (w is not None and sequence_parallel) else w
+    return copy_to_tp_region(w, group) if (w is not None and sum_grads) else w
 
 
 class TensorParallelRMSNorm(_OnTPMesh, RMSNorm):
-    """RMSNorm with a replicated weight; under SP it runs on sequence shards."""
+    """RMSNorm with a replicated weight; under SP it runs on sequence shards. ``per_head``: a q/k norm inside
+    attention, which sees this rank's heads only, so its gradient is summed over tp with or without SP."""
 
-    def __init__(self, dense: RMSNorm, distribute: _Distributor, *, sequence_parallel: bool) -> None:
+    def __init__(
+        self, dense: RMSNorm, distribute: _Distributor, *, sequence_parallel: bool, per_head: bool = False
+    ) -> None:
         nn.Module.__init__(self)
         self.eps, self.backend, self.weight = dense.eps, dense.backend, dense.weight
         self.mesh, self.sequence_parallel = distribute.mesh, sequence_parallel
+        self.sum_grads = sequence_parallel or per_head
         distribute(self, "weight", [Replicate()])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = _replicated_weight(self.weight, self.group, self.sequence_parallel)
+        w = _replicated_weight(self.weight, self.group, self.sum_grads)
         return kernels.rms_norm(x, w, self.eps, backend=self.backend)
 
 
 class TensorParallelLayerNorm(_OnTPMesh, LayerNorm):
-    """LayerNorm with replicated weight and bias; under SP it runs on sequence shards."""
+    """LayerNorm with replicated weight and bias; under SP it runs on sequence shards. ``per_head``: as for
+    ``TensorParallelRMSNorm``."""
 
-    def __init__(self, dense: LayerNorm, distribute: _Distributor, *, sequence_parallel: bool) -> None:
+    def __init__(
+        self, dense: LayerNorm, distribute: _Distributor, *, sequence_parallel: bool, per_head: bool = False
+    ) -> None:
         nn.Module.__init__(self)
         self.eps, self.backend, self.weight, self.bias = dense.eps, dense.backend, dense.weight, dense.bias
         self.mesh, self.sequence_parallel = distribute.mesh, sequence_parallel
+        self.sum_grads = sequence_parallel or per_head
         distribute(self, "weight", [Replicate()])
         distribute(self, "bias", [Replicate()])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = _replicated_weight(self.weight, self.group, self.sequence_parallel)
-        b = _replicated_weight(self.bias, self.group, self.sequence_parallel)
+        w = _replicated_weight(self.weight, self.group, self.sum_grads)
+        b = _replicated_weight(self.bias, self.group, self.sum_grads)
         return kernels.layer_norm(x, w, b, self.eps, backend=self.backend)
 
 
@@ -265,7 +277,9 @@ def apply_tensor_parallel(
     chunks = overlap_chunks if overlap else 1
     distribute = _Distributor(tp_mesh)
 
-    def convert(module: nn.Module) -> nn.Module | None:
+    def convert(module: nn.Module, parent: nn.Module) -> nn.Module | None:
+        # norms inside the attention core (qk_norm) see this rank's heads only
+        per_head = isinstance(parent, SelfAttention)
         if isinstance(module, FanOutLinear):
             return ColumnParallelLinear(
                 module, distribute, sequence_parallel=sequence_parallel, chunks=chunks
@@ -273,9 +287,13 @@ def apply_tensor_parallel(
         if isinstance(module, FanInLinear):
             return RowParallelLinear(module, distribute, sequence_parallel=sequence_parallel, chunks=chunks)
         if isinstance(module, RMSNorm):
-            return TensorParallelRMSNorm(module, distribute, sequence_parallel=sequence_parallel)
+            return TensorParallelRMSNorm(
+                module, distribute, sequence_parallel=sequence_parallel, per_head=per_head
+            )
         if isinstance(module, LayerNorm):
-            return TensorParallelLayerNorm(module, distribute, sequence_parallel=sequence_parallel)
+            return TensorParallelLayerNorm(
+                module, distribute, sequence_parallel=sequence_parallel, per_head=per_head
+            )
         if isinstance(module, TokenEmbedding):
             return VocabParallelEmbedding(module, distribute, sequence_parallel=sequence_parallel)
         if isinstance(module, NextTokenLoss):
@@ -289,9 +307,9 @@ def apply_tensor_parallel(
         ((name, m) for name, m in model.named_modules() if name), key=lambda nm: nm[1] is not model.embed
     )
     for name, module in targets:
-        new = convert(module)
-        if new is None:
-            continue
         parent_name, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, attr, new)
+        parent = model.get_submodule(parent_name) if parent_name else model
+        new = convert(module, parent)
+        if new is not None:
+            setattr(parent, attr, new)
     return model

@@ -1,0 +1,426 @@
+"""Hugging Face ``config.json`` ↔ ``GPTConfig`` for the Llama family: model types llama, qwen2, qwen3, mistral.
+
+Every field of a config.json is either understood (mapped to a GPTConfig option, or checked to hold the only
+value megascale's GPT computes, e.g. ``hidden_act: "silu"``), or on an explicit list of fields that do not
+change the network (token ids, dtype, bookkeeping). Anything else is a ValueError naming the field: a
+converter that guessed would load weights into a network that computes something else.
+
+Both spellings of the rotary settings are read: ``rope_theta`` + ``rope_scaling`` (transformers 4.x, most
+checkpoints on the Hub) and ``rope_parameters`` (transformers 5). The 4.x spelling is written, which both
+read. Defaults of absent fields are those of transformers' config classes for that model type.
+
+Attention windows follow transformers' masks: a sliding window of w lets a token see itself and the w-1
+tokens before it, as GPTConfig's ``sliding_window`` does. Qwen2/Qwen3 choose per layer (``layer_types``, or
+``use_sliding_window`` with the first ``max_window_layers`` layers full); GPTConfig expresses "every layer"
+and "every n-th layer full" (``full_attention_every``), and a pattern outside those is refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from megascale.core.config import GPTConfig, RopeScaling
+
+__all__ = ["MODEL_TYPES", "gpt_config_from_hf", "hf_config_from_gpt"]
+
+# Fields that do not change what the network computes from its weights, whatever the model type.
+_NOT_ARCHITECTURE = frozenset(
+    {
+        "architectures",
+        "_name_or_path",
+        "transformers_version",
+        "torch_dtype",  # the stored dtype; the tensors say it themselves
+        "dtype",
+        "use_cache",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",  # only stops the embedding row's gradient in transformers; same forward
+        "output_attentions",
+        "output_hidden_states",
+        "return_dict",
+        "id2label",
+        "label2id",
+        "tokenizer_class",
+        "_attn_implementation_autoset",
+    }
+)
+# Understood by every model type here.
+_COMMON = frozenset(
+    {
+        "model_type",
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "hidden_act",
+        "max_position_embeddings",
+        "initializer_range",
+        "rms_norm_eps",
+        "tie_word_embeddings",
+        "rope_theta",
+        "rope_scaling",
+        "rope_parameters",
+        "attention_dropout",
+    }
+)
+_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+_ROPE_KEYS = frozenset(
+    {
+        "rope_type",
+        "type",
+        "rope_theta",
+        "factor",
+        "low_freq_factor",
+        "high_freq_factor",
+        "original_max_position_embeddings",
+        "partial_rotary_factor",
+    }
+)
+
+
+@dataclass(frozen=True)
+class _Family:
+    architecture: str
+    fields: frozenset[str]  # understood beyond _COMMON
+    defaults: Mapping[str, Any] = field(default_factory=dict)  # transformers' defaults of absent fields
+    per_layer_windows: bool = False  # Qwen2/Qwen3: use_sliding_window, max_window_layers, layer_types
+
+
+_BASE_DEFAULTS = {
+    "hidden_act": "silu",
+    "initializer_range": 0.02,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "attention_dropout": 0.0,
+}
+_QWEN_WINDOWS = {"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"}
+_QWEN_DEFAULTS = {
+    **_BASE_DEFAULTS,
+    "num_key_value_heads": 32,
+    "max_position_embeddings": 32768,
+    "use_sliding_window": False,
+    "sliding_window": 4096,
+    "max_window_layers": 28,
+}
+_FAMILIES: dict[str, _Family] = {
+    "llama": _Family(
+        "LlamaForCausalLM",
+        frozenset({"attention_bias", "mlp_bias", "head_dim", "pretraining_tp"}),
+        {**_BASE_DEFAULTS, "max_position_embeddings": 2048},
+    ),
+    "qwen2": _Family(
+        "Qwen2ForCausalLM", frozenset({*_QWEN_WINDOWS, "use_mrope"}), _QWEN_DEFAULTS, per_layer_windows=True
+    ),
+    "qwen3": _Family(
+        "Qwen3ForCausalLM",
+        frozenset({*_QWEN_WINDOWS, "attention_bias", "head_dim"}),
+        {**_QWEN_DEFAULTS, "head_dim": 128},
+        per_layer_windows=True,
+    ),
+    "mistral": _Family(
+        "MistralForCausalLM",
+        frozenset({"head_dim", "sliding_window"}),
+        {
+            **_BASE_DEFAULTS,
+            "num_key_value_heads": 8,
+            "max_position_embeddings": 131072,
+            "sliding_window": 4096,
+        },
+    ),
+}
+MODEL_TYPES: tuple[str, ...] = tuple(_FAMILIES)
+"""The Hugging Face model types converted both ways."""
+
+# GPTConfig fields that only say how to train or run the model, which a caller may set on import.
+_OVERRIDABLE = frozenset({"max_seq_len", "pad_vocab_to_multiple_of", "kernels", "dropout", "init_std"})
+
+
+def _family(model_type: object) -> _Family:
+    if model_type not in _FAMILIES:
+        raise ValueError(
+            f"model_type {model_type!r} is not supported; supported model types: {', '.join(MODEL_TYPES)}"
+        )
+    return _FAMILIES[str(model_type)]
+
+
+# ---- config.json -> GPTConfig -----------------------------------------------------------------------------
+
+
+def gpt_config_from_hf(config: Mapping[str, Any], **overrides: Any) -> GPTConfig:
+    """The GPTConfig computing what transformers computes for ``config`` (a parsed config.json).
+
+    Args:
+        config: the config.json of a llama, qwen2, qwen3 or mistral model.
+        overrides: GPTConfig fields that do not change the network, set on the result: ``max_seq_len`` (the
+            rotary tables' length; default ``max_position_embeddings``), ``pad_vocab_to_multiple_of``,
+            ``kernels``, ``dropout``, ``init_std``.
+
+    Raises:
+        ValueError: naming the field, for an unsupported ``model_type``, a field this converter does not know,
+            or a value megascale's GPT cannot compute (e.g. ``hidden_act`` other than silu, a rope scaling
+            other than llama3, a per-layer window pattern GPTConfig cannot express).
+    """
+    family = _family(config.get("model_type"))
+    model_type = str(config["model_type"])
+    unknown = sorted(set(config) - _COMMON - family.fields - _NOT_ARCHITECTURE)
+    if unknown:
+        raise ValueError(
+            f"config.json of model_type {model_type!r} has field(s) {unknown} that megascale's converter does "
+            f"not understand; converting anyway could build a network other than the checkpoint's"
+        )
+    missing = [k for k in _REQUIRED if config.get(k) is None]
+    if missing:
+        raise ValueError(f"config.json lacks the required field(s) {missing}")
+    bad_overrides = sorted(set(overrides) - _OVERRIDABLE)
+    if bad_overrides:
+        raise ValueError(
+            f"gpt_config_from_hf cannot override {bad_overrides}: they are set by config.json; overridable: "
+            f"{sorted(_OVERRIDABLE)}"
+        )
+
+    def get(key: str) -> Any:  # an absent field takes transformers' default; an explicit null stays null
+        return config[key] if key in config else family.defaults.get(key)
+
+    _expect(config, "hidden_act", get("hidden_act"), "silu", "megascale's SwiGLU MLP uses silu")
+    _expect(config, "attention_dropout", float(get("attention_dropout")), 0.0,
+            "megascale's dropout also drops residuals and embeddings; set dropout after converting")  # fmt: skip
+    if "use_mrope" in config:
+        _expect(
+            config, "use_mrope", config["use_mrope"], False, "multimodal rotary embeddings are not supported"
+        )
+
+    d_model, n_heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+    head_dim = get("head_dim")  # null: d_model / n_heads, as transformers fills it in
+    head_size = None
+    if head_dim is not None and (d_model % n_heads or int(head_dim) != d_model // n_heads):
+        head_size = int(head_dim)
+    n_kv = get("num_key_value_heads")  # null: n_heads
+    qkv_bias, bias = _biases(config, model_type)
+    theta, scaling = _rope(config, family)
+    window, full_every = _windows(config, family, int(config["num_hidden_layers"]))
+    kwargs: dict[str, Any] = dict(
+        vocab_size=int(config["vocab_size"]),
+        d_model=d_model,
+        n_layers=int(config["num_hidden_layers"]),
+        n_heads=n_heads,
+        n_kv_heads=None if n_kv is None or int(n_kv) == n_heads else int(n_kv),
+        head_size=head_size,
+        ffn_hidden=int(config["intermediate_size"]),
+        max_seq_len=int(get("max_position_embeddings")),
+        norm="rmsnorm",
+        activation="swiglu",
+        parallel_block=False,
+        sliding_window=window,
+        full_attention_every=full_every,
+        rope_theta=theta,
+        rope_scaling=scaling,
+        tie_embeddings=bool(get("tie_word_embeddings")),
+        dropout=0.0,
+        init_std=float(get("initializer_range")),
+        norm_eps=float(get("rms_norm_eps")),
+        bias=bias,
+        qkv_bias=qkv_bias,
+        qk_norm=model_type == "qwen3",
+    )
+    kwargs.update(overrides)
+    return GPTConfig(**kwargs)
+
+
+def _expect(config: Mapping[str, Any], key: str, value: Any, wanted: Any, why: str) -> None:
+    if value != wanted:
+        raise ValueError(f"config.json has {key}={value!r}; megascale converts only {key}={wanted!r} ({why})")
+
+
+def _biases(config: Mapping[str, Any], model_type: str) -> tuple[bool, bool]:
+    """(qkv_bias, bias) of the family's linear layers."""
+    if model_type == "qwen2":
+        return True, False  # Qwen2: q, k, v always biased; o and the MLP never
+    attention = bool(config.get("attention_bias", False))  # llama, qwen3: q, k, v and o
+    mlp = bool(config.get("mlp_bias", False))  # llama only
+    if attention == mlp:
+        return False, attention
+    raise ValueError(
+        f"config.json has attention_bias={attention} and mlp_bias={mlp}: GPTConfig has biases on every linear "
+        "(bias) or on q, k, v only (qkv_bias), not on the attention projections (o included) alone or on the "
+        "MLP alone"
+    )
+
+
+def _rope(config: Mapping[str, Any], family: _Family) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, rope_scaling) from either spelling."""
+    params: dict[str, Any] = {}
+    for key in ("rope_scaling", "rope_parameters"):  # 4.x, then 5.x (which wins where both are given)
+        value = config.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, Mapping):
+            raise ValueError(f"config.json has {key}={value!r}: expected an object or null")
+        unknown = sorted(set(value) - _ROPE_KEYS)
+        if unknown:
+            raise ValueError(
+                f"config.json has {key} with field(s) {unknown} that megascale's converter does not understand "
+                f"(known: {sorted(_ROPE_KEYS)})"
+            )
+        params.update(value)
+    theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+    if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError(
+            f"config.json has partial_rotary_factor={params['partial_rotary_factor']}: megascale rotates "
+            "whole heads"
+        )
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return theta, None
+    if kind != "llama3":
+        raise ValueError(
+            f"config.json has rope_type={kind!r}: megascale supports the rope types 'default' and 'llama3'"
+        )
+    missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor") if k not in params]
+    if missing:
+        raise ValueError(f"config.json's llama3 rope scaling lacks {missing}")
+    original = params.get(
+        "original_max_position_embeddings",
+        config.get("max_position_embeddings", family.defaults.get("max_position_embeddings")),
+    )
+    return theta, RopeScaling(
+        factor=float(params["factor"]),
+        low_freq_factor=float(params["low_freq_factor"]),
+        high_freq_factor=float(params["high_freq_factor"]),
+        original_max_seq_len=int(original),
+    )
+
+
+def _windows(config: Mapping[str, Any], family: _Family, n_layers: int) -> tuple[int | None, int | None]:
+    """(sliding_window, full_attention_every) giving each layer the window transformers gives it."""
+    if not family.per_layer_windows:  # mistral: every layer; llama: none
+        window = (
+            config["sliding_window"] if "sliding_window" in config else family.defaults.get("sliding_window")
+        )
+        return (None if window is None else int(window)), None
+    use = bool(config.get("use_sliding_window", family.defaults["use_sliding_window"]))
+    window = config["sliding_window"] if "sliding_window" in config else family.defaults["sliding_window"]
+    window = window if use else None
+    if window is None:
+        return None, None  # transformers sets sliding_window None then: every layer full
+    types = config.get("layer_types")
+    if types is None:
+        first_full = int(config.get("max_window_layers", family.defaults["max_window_layers"]))
+        types = ["sliding_attention" if i >= first_full else "full_attention" for i in range(n_layers)]
+    if len(types) != n_layers or set(types) - {"sliding_attention", "full_attention"}:
+        raise ValueError(
+            f"config.json has layer_types={types}: expected {n_layers} entries of 'sliding_attention' or "
+            "'full_attention'"
+        )
+    full = [i for i, t in enumerate(types) if t == "full_attention"]
+    if not full:
+        return int(window), None
+    if len(full) == n_layers:
+        return None, None
+    every = full[0] + 1
+    if full == list(range(every - 1, n_layers, every)):
+        return int(window), every
+    raise ValueError(
+        f"config.json gives a sliding window of {window} to layers "
+        f"{[i for i, t in enumerate(types) if t == 'sliding_attention']} and full attention to layers {full} "
+        "(layer_types / max_window_layers): GPTConfig expresses a window on every layer or full attention on "
+        "every n-th layer (full_attention_every) only"
+    )
+
+
+# ---- GPTConfig -> config.json -----------------------------------------------------------------------------
+
+
+def hf_config_from_gpt(config: GPTConfig, model_type: str = "llama") -> dict[str, Any]:
+    """The config.json of ``config`` as a Hugging Face ``model_type`` model (4.x spelling, read by 4.x and 5.x).
+
+    Raises:
+        ValueError: naming the GPTConfig option, when ``model_type`` cannot express the architecture (a
+            parallel block, LayerNorm, GeLU, biases or q/k norms the family does not have, a window pattern).
+    """
+    family = _family(model_type)
+    problems = []
+    if config.parallel_block:
+        problems.append("parallel_block=True (Hugging Face's models run attention then MLP: set False)")
+    if config.norm != "rmsnorm":
+        problems.append(f"norm={config.norm!r} (needs 'rmsnorm')")
+    if config.activation != "swiglu":
+        problems.append(f"activation={config.activation!r} (needs 'swiglu')")
+    has_qkv_bias = config.qkv_bias and not config.bias
+    if model_type == "qwen2":
+        if not has_qkv_bias:
+            problems.append(
+                f"bias={config.bias}, qkv_bias={config.qkv_bias} (qwen2 has biases on q, k, v only: "
+                "qkv_bias=True, bias=False)"
+            )
+        if config.head_size is not None and config.head_size * config.n_heads != config.d_model:
+            problems.append(f"head_size={config.head_size} (qwen2's heads are d_model/n_heads wide)")
+    elif has_qkv_bias:
+        problems.append(f"qkv_bias=True ({model_type} has no biases on q, k, v alone)")
+    if model_type in ("qwen3", "mistral") and config.bias:
+        problems.append(f"bias=True ({model_type} has no MLP biases)")
+    if config.qk_norm != (model_type == "qwen3"):
+        problems.append(f"qk_norm={config.qk_norm} ({model_type} {'has' if not config.qk_norm else 'has no'} "
+                        "per-head q/k norms)")  # fmt: skip
+    if model_type == "llama" and config.sliding_window is not None:
+        problems.append(f"sliding_window={config.sliding_window} (llama attends fully: try mistral or qwen2)")
+    if model_type == "mistral" and config.full_attention_every is not None:
+        problems.append(
+            f"full_attention_every={config.full_attention_every} (mistral windows every layer: try qwen2)"
+        )
+    if problems:
+        raise ValueError(f"this GPTConfig cannot be written as a {model_type} model: " + "; ".join(problems))
+
+    out: dict[str, Any] = {
+        "architectures": [family.architecture],
+        "model_type": model_type,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.d_model,
+        "intermediate_size": config.ffn_dim,
+        "num_hidden_layers": config.n_layers,
+        "num_attention_heads": config.n_heads,
+        "num_key_value_heads": config.kv_heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": config.max_seq_len,
+        "initializer_range": config.init_std,
+        "rms_norm_eps": config.norm_eps,
+        "tie_word_embeddings": config.tie_embeddings,
+        "rope_theta": config.rope_theta,
+        "rope_scaling": _rope_scaling_dict(config.rope_scaling),
+        "attention_dropout": 0.0,
+        "use_cache": True,
+    }
+    if "head_dim" in family.fields:
+        out["head_dim"] = config.head_dim
+    if "attention_bias" in family.fields:
+        out["attention_bias"] = config.bias
+    if model_type == "llama":
+        out.update(mlp_bias=config.bias, pretraining_tp=1)
+    elif model_type == "mistral":
+        out["sliding_window"] = config.sliding_window
+    else:  # qwen2, qwen3
+        windows = [config.window_for_layer(i) for i in range(config.n_layers)]
+        out.update(
+            use_sliding_window=config.sliding_window is not None,
+            sliding_window=config.sliding_window,
+            # windows are given per layer by layer_types; max_window_layers (first layers full) is what
+            # readers without layer_types use, right whenever full_attention_every is None
+            max_window_layers=0 if config.sliding_window is not None else config.n_layers,
+            layer_types=["full_attention" if w is None else "sliding_attention" for w in windows],
+        )
+    return dict(sorted(out.items()))
+
+
+def _rope_scaling_dict(scaling: RopeScaling | None) -> dict[str, Any] | None:
+    if scaling is None:
+        return None
+    return {
+        "rope_type": scaling.kind,
+        "factor": scaling.factor,
+        "low_freq_factor": scaling.low_freq_factor,
+        "high_freq_factor": scaling.high_freq_factor,
+        "original_max_position_embeddings": scaling.original_max_seq_len,
+    }

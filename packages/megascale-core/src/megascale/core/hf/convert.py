@@ -1,0 +1,105 @@
+"""Whole conversions: a Hugging Face model directory → megascale state dict or GPT, and back."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megascale.core.config import GPTConfig
+from megascale.core.hf.config import gpt_config_from_hf, hf_config_from_gpt
+from megascale.core.hf.io import HFCheckpoint, dtype_name, write_config, write_safetensors
+from megascale.core.hf.weights import from_hf_tensors, to_hf_tensors
+from megascale.core.model.gpt import GPT
+
+__all__ = ["gpt_from_hf", "load_hf_state_dict", "save_hf"]
+
+
+def load_hf_state_dict(
+    path: str | Path, config: GPTConfig | None = None, dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
+    """The state dict of megascale's GPT (its parameter names, vocabulary padded with zero rows) from the
+    Hugging Face model directory ``path``.
+
+    Args:
+        config: the GPTConfig the tensors are for; default ``gpt_config_from_hf`` of the directory's
+            config.json (give one to choose e.g. ``pad_vocab_to_multiple_of``).
+        dtype: cast every tensor to it; default as stored.
+
+    Raises:
+        FileNotFoundError, KeyError, ValueError: naming the missing file or tensor, the mismatched shape, or
+            the config.json field (see ``HFCheckpoint``, ``from_hf_tensors``, ``gpt_config_from_hf``).
+    """
+    with HFCheckpoint(path) as checkpoint:
+        if config is None:
+            config = gpt_config_from_hf(checkpoint.config)
+
+        def read(name: str) -> torch.Tensor:
+            tensor = checkpoint.read(name)
+            return tensor if dtype is None else tensor.to(dtype)
+
+        return from_hf_tensors(config, checkpoint.keys(), checkpoint.shape, read)
+
+
+def gpt_from_hf(
+    path: str | Path,
+    *,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str = "cpu",
+    **overrides: Any,
+) -> GPT:
+    """megascale's GPT computing what transformers' model in ``path`` computes (its logits equal within
+    float rounding), on ``device``.
+
+    Args:
+        dtype: of the parameters; default as stored (rotary tables stay fp32).
+        overrides: GPTConfig fields that do not change the network (``max_seq_len``,
+            ``pad_vocab_to_multiple_of``, ``kernels``, ``dropout``, ``init_std``): see ``gpt_config_from_hf``.
+    """
+    with HFCheckpoint(path) as checkpoint:
+        config = gpt_config_from_hf(checkpoint.config, **overrides)
+    state = load_hf_state_dict(path, config, dtype)
+    with torch.device("meta"):
+        model = GPT(config)
+    model.load_state_dict({k: v.to(device) for k, v in state.items()}, assign=True, strict=True)
+    model.rope.to_empty(device=device)
+    model.rope.reset_parameters()
+    return model
+
+
+def save_hf(
+    model_or_state_dict: GPT | Mapping[str, torch.Tensor],
+    config: GPTConfig | None,
+    path: str | Path,
+    model_type: str = "llama",
+    *,
+    max_shard_size: int | str = "5GB",
+) -> list[Path]:
+    """Write a Hugging Face model directory (config.json and safetensors) that transformers'
+    ``AutoModelForCausalLM.from_pretrained(path)`` loads as the ``model_type`` model computing what this GPT
+    computes. Tokenizer files are not written: copy them from where the model came from.
+
+    Args:
+        model_or_state_dict: a GPT on one process, or its state dict (megascale names).
+        config: the GPTConfig; None takes a GPT's own.
+        model_type: llama, qwen2, qwen3 or mistral; must express the architecture (``hf_config_from_gpt``).
+        max_shard_size: bytes per safetensors file (int, or "5GB", "500MB"...); past it the tensors are
+            sharded with an index.
+
+    Returns:
+        The files written.
+    """
+    if isinstance(model_or_state_dict, GPT):
+        config = model_or_state_dict.config if config is None else config
+        state: Mapping[str, torch.Tensor] = model_or_state_dict.state_dict()
+    else:
+        state = model_or_state_dict
+    if config is None:
+        raise ValueError("save_hf needs the GPTConfig of a state dict (config=...)")
+    hf_config = hf_config_from_gpt(config, model_type)
+    tensors = to_hf_tensors(state, config)
+    hf_config["torch_dtype"] = dtype_name(tensors["model.embed_tokens.weight"].dtype)
+    files = write_safetensors(tensors, path, max_shard_size)
+    return [write_config(hf_config, path), *files]

@@ -1,0 +1,199 @@
+"""Tensor names and layouts: a Hugging Face Llama-family checkpoint ↔ megascale GPT's state dict.
+
+Every projection keeps its own (out_features, in_features) weight in both, and both lay out heads the same
+way (q_proj's rows are head after head; RoPE rotates the pairs (x[i], x[i + hd/2]), transformers'
+``rotate_half``), so tensors move unchanged: no transposes, no fusing or splitting, no permutations. The one
+difference of layout is the vocabulary: megascale pads the embedding (and an untied output projection) to
+``padded_vocab_size`` rows so tensor parallelism can split it; the import appends zero rows, the export
+drops them. With tied embeddings transformers stores only the embedding (as megascale's state dict holds the
+one tensor under both names).
+
+``tensor_map(config)`` lists every tensor with both names and its Hugging Face shape, so a loader can check a
+checkpoint before reading it, or read only the slices a rank needs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from megascale.core.config import GPTConfig
+
+__all__ = ["TensorMapping", "from_hf_tensors", "tensor_map", "to_hf_tensors"]
+
+# tensors some checkpoints carry that no model reads (transformers < 4.31 saved the rotary frequencies)
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclass(frozen=True)
+class TensorMapping:
+    """One tensor: its megascale name, its Hugging Face name and shape, and whether its rows are the
+    vocabulary (padded to ``padded_vocab_size`` in megascale, ``vocab_size`` in Hugging Face)."""
+
+    megascale: str
+    hf: str
+    hf_shape: tuple[int, ...]
+    vocab_rows: bool = False
+
+
+def tensor_map(config: GPTConfig) -> list[TensorMapping]:
+    """Every tensor of ``config``'s model, in the order transformers stores them.
+
+    Raises:
+        ValueError: for an architecture Hugging Face's Llama family does not have (a parallel block,
+            LayerNorm, GeLU).
+    """
+    problems = []
+    if config.parallel_block:
+        problems.append("parallel_block=True")
+    if config.norm != "rmsnorm":
+        problems.append(f"norm={config.norm!r}")
+    if config.activation != "swiglu":
+        problems.append(f"activation={config.activation!r}")
+    if problems:
+        raise ValueError(
+            "Hugging Face's Llama-family models are sequential pre-norm blocks with RMSNorm and SwiGLU; this "
+            "GPTConfig has " + ", ".join(problems)
+        )
+    d, hd, ffn = config.d_model, config.head_dim, config.ffn_dim
+    q, kv = config.n_heads * hd, config.kv_heads * hd
+    out = [TensorMapping("embed.weight", "model.embed_tokens.weight", (config.vocab_size, d), True)]
+    for i in range(config.n_layers):
+        ms, hf = f"blocks.{i}.", f"model.layers.{i}."
+
+        def add(ms_name: str, hf_name: str, shape: tuple[int, ...], ms: str = ms, hf: str = hf) -> None:
+            out.append(TensorMapping(ms + ms_name, hf + hf_name, shape))
+
+        add("attn_norm.weight", "input_layernorm.weight", (d,))
+        for name, rows in (("q", q), ("k", kv), ("v", kv)):
+            add(f"attn.in_proj.{name}.weight", f"self_attn.{name}_proj.weight", (rows, d))
+            if config.bias or config.qkv_bias:
+                add(f"attn.in_proj.{name}.bias", f"self_attn.{name}_proj.bias", (rows,))
+        if config.qk_norm:
+            add("attn.core.q_norm.weight", "self_attn.q_norm.weight", (hd,))
+            add("attn.core.k_norm.weight", "self_attn.k_norm.weight", (hd,))
+        add("attn.out_proj.o.weight", "self_attn.o_proj.weight", (d, q))
+        if config.bias:
+            add("attn.out_proj.bias", "self_attn.o_proj.bias", (d,))
+        add("mlp_norm.weight", "post_attention_layernorm.weight", (d,))
+        for name in ("gate", "up"):
+            add(f"mlp.in_proj.{name}.weight", f"mlp.{name}_proj.weight", (ffn, d))
+            if config.bias:
+                add(f"mlp.in_proj.{name}.bias", f"mlp.{name}_proj.bias", (ffn,))
+        add("mlp.out_proj.down.weight", "mlp.down_proj.weight", (d, ffn))
+        if config.bias:
+            add("mlp.out_proj.bias", "mlp.down_proj.bias", (d,))
+    out.append(TensorMapping("head.norm.weight", "model.norm.weight", (d,)))
+    if not config.tie_embeddings:
+        out.append(TensorMapping("head.proj.logits.weight", "lm_head.weight", (config.vocab_size, d), True))
+    return out
+
+
+def from_hf_tensors(
+    config: GPTConfig,
+    names: Iterable[str],
+    shape_of: Callable[[str], tuple[int, ...]],
+    read: Callable[[str], torch.Tensor],
+) -> dict[str, torch.Tensor]:
+    """megascale's state dict from a Hugging Face checkpoint's tensors, checked before anything is read.
+
+    Args:
+        names: the tensor names the checkpoint holds.
+        shape_of: a tensor's shape without reading it.
+        read: a tensor's values.
+
+    Raises:
+        KeyError: naming the tensor, for one the config needs that the checkpoint lacks.
+        ValueError: naming the tensor and both shapes, for a shape the config does not imply; naming them,
+            for tensors the config has no place for.
+    """
+    mapping = tensor_map(config)
+    available = set(names)
+    missing = [m for m in mapping if m.hf not in available]
+    if missing:
+        m = missing[0]
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise KeyError(
+            f"the checkpoint has no tensor {m.hf}{more}, which config.json implies (shape {list(m.hf_shape)}, "
+            f"megascale's {m.megascale})"
+        )
+    expected = {m.hf for m in mapping}
+    # transformers ignores a stored lm_head when the embeddings are tied (it ties them on load)
+    extra = sorted(
+        n
+        for n in available - expected
+        if not n.endswith(_IGNORED_SUFFIXES) and not (config.tie_embeddings and n == "lm_head.weight")
+    )
+    if extra:
+        raise ValueError(
+            f"the checkpoint holds tensors config.json has no place for: {extra[:8]}"
+            + (f" (and {len(extra) - 8} more)" if len(extra) > 8 else "")
+        )
+    for m in mapping:
+        shape = tuple(shape_of(m.hf))
+        if shape != m.hf_shape:
+            raise ValueError(
+                f"tensor {m.hf} has shape {list(shape)}, but config.json implies {list(m.hf_shape)}"
+            )
+    state: dict[str, torch.Tensor] = {}
+    for m in mapping:
+        tensor = read(m.hf)
+        state[m.megascale] = _pad_rows(tensor, config.padded_vocab_size) if m.vocab_rows else tensor
+    if config.tie_embeddings:
+        state["head.proj.logits.weight"] = state["embed.weight"]
+    return state
+
+
+def to_hf_tensors(state_dict: Mapping[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
+    """Hugging Face's tensors (names, unpadded vocabulary) from megascale's state dict of ``config``.
+
+    Raises:
+        KeyError: naming a tensor the config implies that ``state_dict`` lacks.
+        ValueError: for tensors ``state_dict`` holds beyond the config's, a wrong shape, or split (DTensor)
+            tensors: gather a tensor-parallel model first.
+    """
+    from megascale.core._dtensor import is_dtensor
+
+    mapping = tensor_map(config)
+    known = {m.megascale for m in mapping} | {"head.proj.logits.weight"}
+    extra = sorted(set(state_dict) - known)
+    if extra:
+        raise ValueError(f"the state dict holds tensors this GPTConfig has no place for: {extra[:8]}")
+    out: dict[str, torch.Tensor] = {}
+    for m in mapping:
+        if m.megascale not in state_dict:
+            raise KeyError(f"the state dict has no tensor {m.megascale} (Hugging Face's {m.hf})")
+        tensor = state_dict[m.megascale]
+        if is_dtensor(tensor):
+            raise ValueError(
+                f"{m.megascale} is split (a DTensor): export a model on one process, or gather it first "
+                "(DTensor.full_tensor())"
+            )
+        tensor = tensor.detach()
+        if m.vocab_rows:
+            if tensor.shape[0] != config.padded_vocab_size:
+                raise ValueError(
+                    f"tensor {m.megascale} has {tensor.shape[0]} rows, expected the padded vocabulary "
+                    f"{config.padded_vocab_size}"
+                )
+            tensor = tensor[: config.vocab_size]
+        if tuple(tensor.shape) != m.hf_shape:
+            raise ValueError(
+                f"tensor {m.megascale} has shape {list(tensor.shape)}, expected {list(m.hf_shape)}"
+            )
+        # safetensors stores contiguous tensors that share no storage: the unpadded rows become their own
+        out[m.hf] = (
+            tensor.clone() if m.vocab_rows and config.vocab_size != config.padded_vocab_size else tensor
+        )
+        out[m.hf] = out[m.hf].contiguous()
+    return out
+
+
+def _pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    if tensor.shape[0] == rows:
+        return tensor
+    padded = tensor.new_zeros((rows, *tensor.shape[1:]))
+    padded[: tensor.shape[0]] = tensor
+    return padded

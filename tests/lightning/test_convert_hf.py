@@ -1,0 +1,101 @@
+"""`megascale convert --from-hf` and `--to-hf`: a Hugging Face model becomes the one-file format `load_gpt`
+reads and computes transformers' logits; that file, or a checkpoint directory, becomes a Hugging Face model
+transformers loads, with every tensor of the original bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, Qwen2Config
+from transformers.utils import logging
+
+from megascale.core import GPTConfig
+from megascale.lightning import GPTModule
+from megascale.lightning.checkpoint_io import load_gpt, save
+from megascale.lightning.cli import main
+
+logging.set_verbosity_error()
+VOCAB = 150
+
+
+def _tiny_qwen2(path) -> torch.nn.Module:
+    """A random Qwen2 (q/k/v biases, tied embeddings), perturbed so biases and norms are not their init."""
+    torch.manual_seed(0)
+    config = Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64,
+                         initializer_range=0.1, tie_word_embeddings=True)  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(0.2 * torch.randn_like(p))
+    model.save_pretrained(path)
+    return model
+
+
+def _tokens() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
+
+
+def test_from_hf_then_to_hf_through_the_command(tmp_path, capsys):
+    hf = _tiny_qwen2(tmp_path / "hf")
+    main(["convert", "--from-hf", str(tmp_path / "hf"), str(tmp_path / "model.pt")])
+    assert "wrote" in capsys.readouterr().out
+    model = load_gpt(tmp_path / "model.pt").eval()
+    assert model.config.qkv_bias and model.embed.weight is model.head.proj["logits"].weight
+    x = _tokens()
+    with torch.no_grad():
+        assert (model(x)[..., :VOCAB] - hf(x).logits).abs().max().item() <= 1e-5
+
+    out = tmp_path / "back"
+    main(["convert", "--to-hf", str(tmp_path / "model.pt"), str(out), "--model-type", "qwen2",
+          "--max-shard-size", "30KB"])  # fmt: skip
+    assert (out / "model.safetensors.index.json").is_file()
+    original = load_file(tmp_path / "hf" / "model.safetensors")
+    exported = {}
+    for shard in out.glob("model-*.safetensors"):
+        exported.update(load_file(shard))
+    assert sorted(exported) == sorted(original)
+    assert all(torch.equal(exported[k], original[k]) for k in original)
+    reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        assert torch.equal(reloaded(x).logits, hf(x).logits)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process, no group: as intended
+def test_to_hf_from_a_checkpoint_directory(tmp_path):
+    """A MegaScaleStrategy checkpoint (DCP directory + meta.pt) of a GPTModule, written by checkpoint_io.save."""
+    config = GPTConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_size=16,
+                       max_seq_len=32, parallel_block=False, qk_norm=True)  # fmt: skip
+    module = GPTModule(config=config)
+    module.configure_model()
+    ckpt = tmp_path / "last.ckpt"
+    save(
+        ckpt,
+        module,
+        [],
+        {"hyper_parameters": dict(module.hparams)},
+        is_global_zero=True,
+        barrier=lambda: None,
+    )
+
+    main(["convert", "--to-hf", str(ckpt), str(tmp_path / "hf"), "--model-type", "qwen3"])
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert type(hf).__name__ == "Qwen3ForCausalLM"
+    x = _tokens()
+    with torch.no_grad():
+        assert (hf(x).logits - module.model.eval()(x)[..., :VOCAB]).abs().max().item() <= 1e-5
+
+
+def test_wrong_combinations_are_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["convert", "--from-hf", "--to-hf", "a", "b"])
+    with pytest.raises(SystemExit):
+        main(["convert", "--from-hf", "a", "b", "--model-type", "qwen2"])
+    assert "--model-type and --max-shard-size go with --to-hf" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["convert", "--to-hf", "a", "b", "--model-type", "gpt2"])
+    torch.save({"weights": 1}, tmp_path / "not_ours.pt")
+    with pytest.raises(ValueError, match="is not a file written by convert_to_torch or convert_from_hf"):
+        main(["convert", "--to-hf", str(tmp_path / "not_ours.pt"), str(tmp_path / "hf")])
