@@ -119,3 +119,23 @@ def test_parse_size():
     assert parse_size("64MB") == 64 * 10**6
     assert parse_size("1GiB") == 2**30
     assert parse_size("1.5k") == 1500
+
+
+def test_tokenizer_trains_a_bpe_that_a_source_reads(tmp_path, capsys):
+    import json
+
+    pytest.importorskip("tokenizers")
+    from megascale.data import load_tokenizer
+
+    assert (
+        main(["tokenizer", "--output", str(tmp_path / "bpe"), "--vocab-size", "300", "--max-bytes", "200KB"])
+        == 0
+    )
+    summary = json.loads(capsys.readouterr().out)
+    assert summary == {"tokenizer": str(tmp_path / "bpe"), "vocab_size": 300, "eos_id": 0}
+    assert (
+        load_tokenizer(summary["tokenizer"]).decode(load_tokenizer(summary["tokenizer"]).encode("x = 1"))
+        == "x = 1"
+    )
+    assert main(["tokenizer", "--output", str(tmp_path / "small"), "--vocab-size", "10"]) == 2
+    assert "at least 257" in capsys.readouterr().err

@@ -67,3 +67,23 @@ def test_a_model_vocabulary_smaller_than_the_tokenizers_is_refused_before_any_da
         module.setup("fit")
     model.config.vocab_size = 257
     module.setup("fit")
+
+
+def test_a_checkpoints_tokenizer_larger_than_its_vocabulary_is_refused_naming_it(tmp_path):
+    from types import SimpleNamespace
+
+    from megascale.data import Source, WebDataConfig, WebDataModule
+    from tests.data.test_tokenize import _model_dir
+
+    root = _model_dir(tmp_path, tokenizer_config={"eos_token": "</s>"})  # a tokenizer of up to 80 ids
+    config = WebDataConfig(
+        sources=[Source(urls="unused-*.tar")], seq_len=8, batch_size=1, tokenizer=str(root)
+    )
+    module = WebDataModule(config)
+    ids = module.vocab_size
+    model = SimpleNamespace(config=SimpleNamespace(vocab_size=ids - 1))
+    module.trainer = SimpleNamespace(lightning_module=model)  # type: ignore[assignment]
+    with pytest.raises(ValueError, match=rf"tokenizer '{root}' produces {ids} token ids .* >= {ids}"):
+        module.setup("fit")
+    model.config.vocab_size = ids
+    module.setup("fit")

@@ -29,12 +29,14 @@ _EXPORTS = {
     "WebLoader": "megascale.data.loader",
     "build_stdlib_shards": "megascale.data.stdlib",
     "load_tokenizer": "megascale.data.tokenize",
+    "train_stdlib_bpe": "megascale.data.bpe",
     "merge_states": "megascale.data.loader",
 }
 
 __all__ = ["__version__", *_EXPORTS]
 
 if TYPE_CHECKING:
+    from megascale.data.bpe import train_stdlib_bpe as train_stdlib_bpe
     from megascale.data.config import WebDataConfig as WebDataConfig
     from megascale.data.datamodule import WebDataModule as WebDataModule
     from megascale.data.loader import WebLoader as WebLoader

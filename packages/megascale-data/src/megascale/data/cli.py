@@ -191,7 +191,34 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--max-docs", type=int, default=32, help="files per training shard (default: 32)")
     q.add_argument("--force", action="store_true", help="rebuild even when built already")
     q.set_defaults(func=stdlib)
+    t = commands.add_parser(
+        "tokenizer",
+        help="train a byte-level BPE tokenizer on the embedded corpus (the stdlib's training files)",
+        description="Train a byte-level BPE (Hugging Face tokenizers) on the stdlib's training files, validation "
+        "files left out, with <|endoftext|> as end of document; writes OUTPUT/tokenizer.json and "
+        "tokenizer_config.json, which a data source's `tokenizer: OUTPUT` reads.",
+    )
+    t.add_argument("--output", default=".cache/megascale/bpe", help="directory (default: %(default)s)")
+    t.add_argument("--vocab-size", type=int, default=4096, help="ids, eos included (default: 4096)")
+    t.add_argument(
+        "--max-bytes", type=parse_size, default=None, help="train on about this much text, e.g. 8MB"
+    )
+    t.set_defaults(func=tokenizer)
     return parser
+
+
+def tokenizer(args: argparse.Namespace) -> int:
+    """The `tokenizer` subcommand."""
+    from megascale.data.bpe import train_stdlib_bpe
+    from megascale.data.tokenize import load_tokenizer
+
+    try:
+        out = train_stdlib_bpe(args.output, vocab_size=args.vocab_size, max_bytes=args.max_bytes)
+    except (ValueError, ImportError, FileNotFoundError) as e:
+        raise UsageError(str(e)) from e
+    trained = load_tokenizer(str(out))
+    print(json.dumps({"tokenizer": str(out), "vocab_size": trained.vocab_size, "eos_id": trained.eos_id}))
+    return 0
 
 
 def stdlib(args: argparse.Namespace) -> int:
@@ -213,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run `megascale-data`; returns the exit code (2 for usage errors and unusable inputs)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if getattr(args, "max_docs", 1) < 1 or getattr(args, "max_bytes", 1) < 1:
+    if getattr(args, "max_docs", 1) < 1 or (getattr(args, "max_bytes", 1) or 1) < 1:
         parser.error("--max-docs and --max-bytes must be positive")
     try:
         return int(args.func(args))

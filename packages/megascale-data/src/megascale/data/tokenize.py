@@ -1,4 +1,6 @@
-"""Text to token ids: a byte-level tokenizer (no files, no dependencies) and Hugging Face `tokenizers` files.
+"""Text to token ids: a byte-level tokenizer (no files, no dependencies) and Hugging Face `tokenizers` files,
+alone or in a Hugging Face model directory (whose ``tokenizer_config.json``/``config.json`` name the
+end-of-sequence token, so the data ends documents with the id the checkpoint was trained with).
 
 Tokenizers run in lightweight worker processes started with "spawn", so this module must not import torch;
 they are pickled to those workers, so each one pickles small (`HFTokenizer` sends its path, not its tables).
@@ -6,7 +8,9 @@ they are pickled to those workers, so each one pickles small (`HFTokenizer` send
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -84,6 +88,38 @@ class HFTokenizer:
             )
         self.eos_token, self.eos_id = found[0][0], int(found[0][1])
 
+    @classmethod
+    def from_directory(cls, directory: str | os.PathLike[str]) -> HFTokenizer:
+        """The tokenizer of a Hugging Face model directory: its ``tokenizer.json``, ending documents with the
+        end-of-sequence token its ``tokenizer_config.json`` names, or else the one whose id ``config.json`` /
+        ``generation_config.json`` give as ``eos_token_id``; the two must agree where both are present."""
+        root = Path(directory)
+        file = root / "tokenizer.json"
+        if not file.is_file():
+            raise ValueError(
+                f"{root} has no tokenizer.json: a Hugging Face model directory saved with a fast tokenizer "
+                "(tokenizer.save_pretrained) holds one; or pass the path of a tokenizers .json file"
+            )
+        named = _eos_token_named(root / "tokenizer_config.json")
+        tokenizer = cls(file, eos_token=named) if named is not None else None
+        for config in (root / "generation_config.json", root / "config.json"):
+            ids = _eos_ids_in(config)
+            if not ids:
+                continue
+            if tokenizer is None:  # the first id the model stops at, as a token of this tokenizer
+                token = _token_of(file, ids[0])
+                if token is None:
+                    raise ValueError(f"{config}: eos_token_id {ids[0]} is not an id of {file}")
+                tokenizer = cls(file, eos_token=token)
+            elif tokenizer.eos_id not in ids:
+                raise ValueError(
+                    f"{root / 'tokenizer_config.json'} names eos_token {tokenizer.eos_token!r} (id "
+                    f"{tokenizer.eos_id}) but {config} has eos_token_id {ids if len(ids) > 1 else ids[0]}: "
+                    "the data would end documents with a token the model does not stop at"
+                )
+            break
+        return tokenizer if tokenizer is not None else cls(file)
+
     def encode(self, text: str) -> np.ndarray:
         """Token ids of `text` as int32, without special tokens added by post-processing."""
         ids = self._tokenizer.encode(text, add_special_tokens=False).ids
@@ -107,19 +143,60 @@ def load_tokenizer(spec: str = "bytes") -> Tokenizer:
     """Build a tokenizer from a short spec.
 
     Args:
-        spec: ``"bytes"`` for `ByteTokenizer`, or the path of a Hugging Face `tokenizers` ``.json`` file.
+        spec: ``"bytes"`` for `ByteTokenizer`, the path of a Hugging Face `tokenizers` ``.json`` file, or a
+            Hugging Face model directory holding ``tokenizer.json`` (``HFTokenizer.from_directory``).
 
     Returns:
         The tokenizer.
 
     Raises:
-        ValueError: The spec is neither ``"bytes"`` nor an existing ``.json`` file.
+        ValueError: The spec is neither ``"bytes"``, an existing ``.json`` file nor a directory with one.
     """
     if spec == "bytes":
         return ByteTokenizer()
     if spec.endswith(".json") and os.path.isfile(spec):
         return HFTokenizer(spec)
+    if os.path.isdir(spec):
+        return HFTokenizer.from_directory(spec)
     raise ValueError(
-        f"unknown tokenizer {spec!r}: use 'bytes' (byte-level, vocabulary 257) or the path of an existing "
-        "Hugging Face tokenizers .json file"
+        f"unknown tokenizer {spec!r}: use 'bytes' (byte-level, vocabulary 257), the path of an existing "
+        "Hugging Face tokenizers .json file, or a Hugging Face model directory holding tokenizer.json"
     )
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read {path}: {e}") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} is not a JSON object")
+    return data
+
+
+def _eos_token_named(path: Path) -> str | None:
+    """The ``eos_token`` of a ``tokenizer_config.json`` (a string, or an AddedToken dict's content)."""
+    token = _read_json(path).get("eos_token")
+    if isinstance(token, dict):
+        token = token.get("content")
+    if token is not None and not isinstance(token, str):
+        raise ValueError(f"{path}: eos_token {token!r} is neither a string nor a token object")
+    return token
+
+
+def _eos_ids_in(path: Path) -> list[int]:
+    """The ``eos_token_id`` of a model's ``config.json``/``generation_config.json`` (one id or several)."""
+    value = _read_json(path).get("eos_token_id")
+    ids = value if isinstance(value, list) else [] if value is None else [value]
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ValueError(f"{path}: eos_token_id {value!r} is not an id or a list of ids")
+    return ids
+
+
+def _token_of(file: Path, token_id: int) -> str | None:
+    from tokenizers import Tokenizer as _Tokenizer
+
+    token = _Tokenizer.from_file(str(file)).id_to_token(token_id)
+    return None if token is None else str(token)
