@@ -10,7 +10,16 @@ from typing import Any
 
 from megascale.data.sources import open_output
 
-__all__ = ["corrupt_shard", "make_doc", "truncate_shard", "write_tar", "write_text_shards"]
+__all__ = [
+    "corrupt_shard",
+    "make_doc",
+    "truncate_shard",
+    "write_corpus",
+    "write_jsonl_files",
+    "write_parquet_files",
+    "write_tar",
+    "write_text_shards",
+]
 
 
 def make_doc(shard: int, doc: int, *, doc_chars: int = 100, seed: int = 0) -> str:
@@ -62,6 +71,83 @@ def write_text_shards(
         members = [(f"{i * docs_per_shard + j:09d}.txt", d.encode()) for j, d in enumerate(docs[i])]
         write_tar(f"{target}/{prefix}-{i:06d}.tar", members, storage_options=storage_options)
     return f"{target}/{prefix}-{{000000..{n_shards - 1:06d}}}.tar", docs
+
+
+def write_jsonl_files(
+    target: str,
+    n_files: int,
+    docs_per_file: int,
+    *,
+    doc_chars: int = 100,
+    seed: int = 0,
+    zstd: bool = False,
+    storage_options: dict[str, Any] | None = None,
+    prefix: str = "part",
+) -> tuple[str, list[list[str]]]:
+    """JSON Lines files (``{"id": ..., "text": ...}`` per line; zstd-compressed if ``zstd``) of the same
+    documents `write_text_shards` writes; returns their brace pattern and each file's documents."""
+    import json
+
+    target = target.rstrip("/")
+    ext = "jsonl.zst" if zstd else "jsonl"
+    docs: list[list[str]] = []
+    for i in range(n_files):
+        docs.append([make_doc(i, j, doc_chars=doc_chars, seed=seed) for j in range(docs_per_file)])
+        data = "".join(
+            json.dumps({"id": i * docs_per_file + j, "text": d}) + "\n" for j, d in enumerate(docs[i])
+        )
+        raw = data.encode()
+        if zstd:
+            import zstandard
+
+            raw = zstandard.ZstdCompressor().compress(raw)
+        with open_output(f"{target}/{prefix}-{i:06d}.{ext}", storage_options) as f:
+            f.write(raw)
+    return f"{target}/{prefix}-{{000000..{n_files - 1:06d}}}.{ext}", docs
+
+
+def write_parquet_files(
+    target: str,
+    n_files: int,
+    groups_per_file: int,
+    docs_per_group: int,
+    *,
+    doc_chars: int = 100,
+    seed: int = 0,
+    storage_options: dict[str, Any] | None = None,
+    prefix: str = "part",
+) -> tuple[str, list[list[str]]]:
+    """Parquet files with a ``text`` column (and an ``id``), ``groups_per_file`` row groups of
+    ``docs_per_group`` rows each; returns their brace pattern and each row group's documents, in order."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    target = target.rstrip("/")
+    docs: list[list[str]] = []
+    for i in range(n_files):
+        with open_output(f"{target}/{prefix}-{i:06d}.parquet", storage_options) as f:
+            schema = pa.schema([("id", pa.int64()), ("text", pa.string())])
+            with pq.ParquetWriter(f, schema) as writer:
+                for g in range(groups_per_file):
+                    unit = i * groups_per_file + g
+                    group = [make_doc(unit, j, doc_chars=doc_chars, seed=seed) for j in range(docs_per_group)]
+                    docs.append(group)
+                    ids = list(range(unit * docs_per_group, (unit + 1) * docs_per_group))
+                    writer.write_table(pa.table({"id": ids, "text": group}, schema=schema))
+    return f"{target}/{prefix}-{{000000..{n_files - 1:06d}}}.parquet", docs
+
+
+def write_corpus(
+    fmt: str, target: str, n_units: int, docs_per_unit: int, **kwargs: Any
+) -> tuple[str, list[list[str]]]:
+    """``n_units`` units (shards, files, row groups) of documents in format ``fmt`` ("tar", "jsonl",
+    "jsonl.zst", "parquet": two row groups per file)."""
+    if fmt == "tar":
+        return write_text_shards(target, n_units, docs_per_unit, **kwargs)
+    if fmt in ("jsonl", "jsonl.zst"):
+        return write_jsonl_files(target, n_units, docs_per_unit, zstd=fmt == "jsonl.zst", **kwargs)
+    assert fmt == "parquet" and n_units % 2 == 0
+    return write_parquet_files(target, n_units // 2, 2, docs_per_unit, **kwargs)
 
 
 def _offsets(path: str) -> list[tuple[int, int]]:

@@ -1,4 +1,5 @@
-"""WebLoader end to end: tree loading over simulated nodes, coverage, exact and elastic resume.
+"""WebLoader end to end: tree loading over simulated nodes, coverage, exact and elastic resume — for every
+format (tar shards, Parquet row groups, JSONL.zst files) through the same tests.
 
 Ranks are real processes (tests/_dist.py); "nodes" are simulated by giving each process its node rank and
 local rank, so two nodes' readers and rings run side by side on this machine as they would on two.
@@ -19,7 +20,7 @@ from megascale.data.loader import merge_states
 from megascale.data.packing import pack
 from megascale.data.tokenize import ByteTokenizer
 from tests._dist import run_distributed
-from tests.data._shards import write_text_shards
+from tests.data._shards import write_corpus, write_text_shards
 
 SEQ_LEN, BATCH = 16, 2
 N_SHARDS, DOCS = 8, 12
@@ -32,12 +33,14 @@ def _config(url: str, **overrides) -> WebDataConfig:
     return WebDataConfig(**{**base, **overrides})
 
 
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    url, docs = write_text_shards(
-        str(tmp_path_factory.mktemp("shards")), N_SHARDS, DOCS, doc_chars=60, seed=1
+@pytest.fixture(scope="module", params=["tar", "parquet", "jsonl.zst"])
+def shards(request, tmp_path_factory):
+    """N_SHARDS units of DOCS documents: tar shards, Parquet files of two row groups, or JSONL.zst files."""
+    if request.param != "tar":
+        pytest.importorskip("pyarrow" if request.param == "parquet" else "zstandard")
+    return write_corpus(
+        request.param, str(tmp_path_factory.mktemp("shards")), N_SHARDS, DOCS, doc_chars=60, seed=1
     )
-    return url, docs
 
 
 def _reference(url: str, positions: int, lanes: int) -> list[list[int]]:

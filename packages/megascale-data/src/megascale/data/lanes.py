@@ -61,6 +61,7 @@ class LaneReader:
         samples = iter_samples(
             url, storage_options=src.storage_options, retries=opts.retries, backoff=opts.backoff,
             on_corrupt=opts.on_corrupt, stats=opts.stats,  # type: ignore[arg-type]
+            format=src.format, text_key=src.text_key_of(url),
         )  # fmt: skip
         for sample in samples:
             doc = opts.preprocess[source](sample)

@@ -208,7 +208,10 @@ class WebLoader:
 
     def _spec(self, order: CanonicalOrder) -> ReaderSpec:
         cfg = self.config
-        preprocess = tuple(cfg.preprocess or TextPreprocess(self.tokenizer, s.text_key) for s in cfg.sources)
+        preprocess = tuple(
+            cfg.preprocess or TextPreprocess(self.tokenizer, s.text_key_of(order.shards[i][0]))
+            for i, s in enumerate(cfg.sources)
+        )
         options = ReadOptions(
             seq_len=cfg.seq_len, eos_id=self.tokenizer.eos_id, preprocess=preprocess, retries=cfg.retries,
             backoff=cfg.backoff, on_corrupt=cfg.on_corrupt,

@@ -1,13 +1,13 @@
-"""Where training text comes from: WebDataset tar shards on local disk, S3 or any fsspec filesystem.
+"""Where training text comes from: WebDataset tar shards, Parquet and JSONL(.zst) files on local disk, S3 or
+any fsspec filesystem.
 
-Scope: naming shards (brace patterns, globs, lists), checking that they exist before a run starts, and
-reading one shard as a stream of WebDataset samples, with retries on transient errors and a policy for
-corrupt shards. Mixing, ordering and tokenization live elsewhere.
+Scope: naming files (brace patterns, globs, lists), checking that they exist before a run starts (and
+splitting Parquet files into row groups, the unit a lane reads), and reading one unit as a stream of
+WebDataset-shaped samples, with retries on transient errors and a policy for corrupt files, the same for
+every format (`megascale.data.formats` reads each). Mixing, ordering and tokenization live elsewhere.
 
 This module runs in lightweight reader processes started with "spawn": it must not import torch, not even
-indirectly. `import webdataset` (and any of its submodules, since the package `__init__` runs first) imports
-torch, so tar files are parsed here with the standard library's `tarfile` in streaming mode, grouping members
-into samples exactly as WebDataset's `tar_file_iterator` + `group_by_keys` do.
+indirectly (`import webdataset` does; the tar format parses shards itself).
 """
 
 from __future__ import annotations
@@ -15,11 +15,8 @@ from __future__ import annotations
 import asyncio
 import math
 import os
-import re
-import tarfile
 import time
 import warnings
-import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, BinaryIO, Literal, cast
@@ -28,6 +25,8 @@ import braceexpand
 from fsspec.asyn import AsyncFileSystem
 from fsspec.core import url_to_fs
 from fsspec.spec import AbstractFileSystem
+
+from megascale.data.formats.base import FORMATS, ReadCursor, format_of, load, split_unit
 
 __all__ = [
     "CorruptShardError",
@@ -61,21 +60,25 @@ class CorruptShardError(DataSourceError):
 
 @dataclass(frozen=True)
 class Source:
-    """One dataset: WebDataset tar shards.
+    """One dataset: WebDataset tar shards, Parquet files or JSONL(.zst) files.
 
     Attributes:
         urls: A local path, a brace pattern (``"s3://b/part-{0000..0099}.tar"``), any fsspec URL, a glob
-            (``"/d/*.tar"``), or a list of these.
+            (``"/d/*.parquet"``), or a list of these.
         weight: Mixing weight relative to the other sources; must be > 0.
         storage_options: Passed to fsspec, e.g. ``{"endpoint_url": ..., "key": ..., "secret": ...}`` for S3
             (credentials otherwise come from the usual ``AWS_*`` variables).
-        text_key: The member extension holding UTF-8 text.
+        text_key: Where the text is: a tar member extension (default ``"txt"``), a Parquet column or a JSONL
+            field (default ``"text"``).
+        format: ``"tar"``, ``"parquet"`` or ``"jsonl"``; None: by each file's extension (``.parquet``,
+            ``.jsonl``/``.json``/``.zst``/``.gz`` JSON Lines, anything else tar).
     """
 
     urls: str | list[str]
     weight: float = 1.0
     storage_options: dict[str, Any] | None = None
-    text_key: str = "txt"
+    text_key: str | None = None
+    format: Literal["tar", "parquet", "jsonl"] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.urls, str) and not self.urls.strip():
@@ -86,10 +89,24 @@ class Source:
             raise ValueError(
                 f"Source.weight must be a finite number > 0, got {self.weight!r} for {self.urls!r}"
             )
-        if not self.text_key or "." in self.text_key:
+        if self.format is not None and self.format not in FORMATS:
             raise ValueError(
-                f"Source.text_key must be a member extension such as 'txt', got {self.text_key!r}"
+                f"Source.format must be one of {', '.join(FORMATS)} or None, got {self.format!r}"
             )
+        if self.text_key is not None and not self.text_key:
+            raise ValueError(
+                "Source.text_key is empty: name the member extension, column or field of the text"
+            )
+        if self.text_key is not None and "." in self.text_key and self.format in (None, "tar"):
+            first = self.urls if isinstance(self.urls, str) else (self.urls[0] if self.urls else "")
+            if format_of(first, self.format) == "tar":
+                raise ValueError(
+                    f"Source.text_key must be a member extension such as 'txt', got {self.text_key!r}"
+                )
+
+    def text_key_of(self, url: str) -> str:
+        """The text's key for one file or unit of this source (the format's default unless given)."""
+        return self.text_key or load(format_of(url, self.format)).default_text_key
 
 
 @dataclass
@@ -204,8 +221,38 @@ def _check_bucket(
         )
 
 
+def _units(source: Source, urls: list[str], options: dict[str, Any]) -> list[str]:
+    """The units the order deals out: each file, or each row group of a Parquet file (``#row_group=<k>``)."""
+    kinds = {format_of(url, source.format) for url in urls}
+    if len(kinds) > 1:
+        raise DataSourceError(
+            f"source {source.urls!r} mixes formats ({', '.join(sorted(kinds))}): give each format a source of its "
+            "own (with weights), or set format="
+        )
+    units: list[str] = []
+    for url in urls:
+        if format_of(url, source.format) != "parquet":
+            units.append(url)
+            continue
+        from megascale.data.formats import parquet
+
+        fs, path = _fs(url, options)
+        try:
+            groups = parquet.row_groups(fs, path, url, source.text_key_of(url))
+        except ValueError as e:
+            raise DataSourceError(str(e)) from e
+        units += [f"{url}#row_group={k}" for k in range(groups)]
+    return units
+
+
+def _fs(url: str, storage_options: dict[str, Any] | None) -> tuple[AbstractFileSystem, str]:
+    local = not _has_protocol(url) or url.startswith("file:")
+    return url_to_fs(_local(url) if local else url, **({} if local else storage_options or {}))
+
+
 def list_shards(source: Source, *, timeout: float = 30.0) -> list[str]:
-    """Expand a source's URLs and check that every shard exists, with one listing per directory/prefix.
+    """Expand a source's URLs and check that every file exists, with one listing per directory/prefix; a
+    Parquet file becomes one unit per row group (``<url>#row_group=<k>``, its footer read to count them).
 
     Args:
         source: The dataset.
@@ -262,7 +309,7 @@ def list_shards(source: Source, *, timeout: float = 30.0) -> list[str]:
                 f"{where}: {len(missing)} of {len(urls)} shards do not exist: {shown}; check the pattern's "
                 "range and that the shards were written"
             )
-        return urls
+        return _units(source, urls, options)
     except DataSourceError:
         raise
     except PermissionError as e:
@@ -279,15 +326,6 @@ def list_shards(source: Source, *, timeout: float = 30.0) -> list[str]:
 
 # --------------------------------------------------------------------------------------------- reading
 
-_META = re.compile(r"__[^/]*__($|/)")  # WebDataset skips members like __index__
-_KEY_EXT = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")  # WebDataset's base_plus_ext
-
-
-class _DuplicateMemberError(ValueError):
-    """Two members of one sample have the same extension (WebDataset refuses such a shard too)."""
-
-
-_CORRUPT = (tarfile.TarError, EOFError, zlib.error, _DuplicateMemberError)
 _NOT_TRANSIENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
 _TRANSIENT_MODULES = ("botocore", "aiobotocore", "aiohttp", "urllib3", "requests", "http", "s3fs", "gcsfs")
 
@@ -300,84 +338,6 @@ def _is_transient(exc: BaseException) -> bool:
     return any(cls.__module__.split(".")[0] in _TRANSIENT_MODULES for cls in type(exc).__mro__)
 
 
-# Not in tarfile's __all__ (nor its stubs), but stable since Python 3.2.
-_EOFHeaderError: type[Exception] = tarfile.EOFHeaderError  # type: ignore[attr-defined]
-_EmptyHeaderError: type[Exception] = tarfile.EmptyHeaderError  # type: ignore[attr-defined]
-
-
-class _StrictTarInfo(tarfile.TarInfo):
-    """Header parsing that reports damage: `tarfile` silently ends the archive at a bad or missing header
-    after the first one, which would turn a corrupt or truncated shard into a short one."""
-
-    @classmethod
-    def fromtarfile(cls, tarfile_: tarfile.TarFile) -> tarfile.TarInfo:  # type: ignore[override]
-        try:
-            return super().fromtarfile(tarfile_)
-        except _EOFHeaderError:  # a zero block: the regular end of the archive
-            raise
-        except _EmptyHeaderError:
-            raise tarfile.ReadError(
-                f"file ends at byte {tarfile_.offset} without the end-of-archive marker (truncated)"
-            ) from None
-        except tarfile.HeaderError as e:
-            raise tarfile.ReadError(f"bad tar header at byte {tarfile_.offset}: {e}") from None
-
-
-def _open_tar(fs: AbstractFileSystem, path: str, offset: int) -> tuple[Any, tarfile.TarFile]:
-    f = fs.open(path, "rb")
-    try:
-        if offset:
-            f.seek(offset)
-        # "r|": a forward-only stream; never the whole shard in memory. From an offset the stream is plain.
-        return f, tarfile.open(fileobj=f, mode="r|" if offset else "r|*", tarinfo=_StrictTarInfo)
-    except BaseException:
-        f.close()
-        raise
-
-
-class _Cursor:
-    """Where a retry resumes: samples yielded so far, and the byte offset of the first sample not yet
-    yielded when the shard is an uncompressed, seekable tar (otherwise a retry re-reads and skips)."""
-
-    def __init__(self) -> None:
-        self.done = 0
-        self.offset = 0
-        self.seekable = False
-        self.pending = False  # a sample has members read but is not yet yielded
-
-
-def _read_shard(fs: AbstractFileSystem, path: str, url: str, cur: _Cursor) -> Iterator[dict[str, Any]]:
-    base = cur.offset if cur.seekable else 0
-    skip = 0 if cur.seekable else cur.done
-    cur.pending = False
-    f, tar = _open_tar(fs, path, base)
-    with f, tar:
-        cur.seekable = getattr(tar.fileobj, "comptype", None) == "tar" and f.seekable()
-        sample: dict[str, Any] | None = None
-        for info in tar:
-            tar.members = []  # type: ignore[attr-defined]  # streaming mode would keep every header
-            if not info.isreg() or _META.match(info.name):
-                continue
-            match = _KEY_EXT.match(info.name)
-            if match is None:
-                continue
-            key, ext = match.group(1), match.group(2).lower()
-            if sample is None or key != sample["__key__"]:
-                if sample is not None:
-                    if skip:
-                        skip -= 1
-                    else:
-                        cur.offset = base + info.offset  # where the sample after this one starts
-                        yield sample
-                sample, cur.pending = {"__key__": key, "__url__": url}, True
-            data = cast(BinaryIO, tar.extractfile(info)).read()  # after yielding the complete sample
-            if ext in sample:
-                raise _DuplicateMemberError(f"duplicate member {info.name!r} in sample {key!r}")
-            sample[ext] = data
-        if sample is not None and not skip:
-            yield sample
-
-
 def iter_samples(
     url: str,
     *,
@@ -386,11 +346,14 @@ def iter_samples(
     backoff: float = 0.5,
     on_corrupt: Literal["warn", "raise"] = "warn",
     stats: ReadStats | None = None,
+    format: str | None = None,
+    text_key: str | None = None,
 ) -> Iterator[dict[str, Any]]:
-    """Stream the WebDataset samples of one tar shard, in tar order.
+    """Stream the samples of one unit (a tar shard, a JSONL file, a Parquet row group), in file order.
 
-    Members are grouped into samples as WebDataset does: the key is the member path up to the first dot
-    of its file name, the extension (lower-cased) the rest; ``__key__`` and ``__url__`` are added.
+    Tar members are grouped into samples as WebDataset does: the key is the member path up to the first dot
+    of its file name, the extension (lower-cased) the rest; ``__key__`` and ``__url__`` are added. A JSONL
+    line or a Parquet row is one sample whose ``text_key`` holds the text as UTF-8 bytes.
 
     Transient errors (connection, timeout, S3 client errors) while opening or reading are retried: wait
     ``backoff * 2**(n-1)`` before the n-th retry, reopen, resume after the last sample yielded (by byte
@@ -407,6 +370,9 @@ def iter_samples(
         backoff: Seconds before the first retry; doubles on each further retry.
         on_corrupt: ``"warn"`` to warn and stop this shard, ``"raise"`` to raise `CorruptShardError`.
         stats: Counters to update.
+        format: ``"tar"``, ``"parquet"`` or ``"jsonl"``; None: by the file's extension.
+        text_key: the Parquet column / JSONL field of the text (default ``"text"``); tar samples hold all
+            their members whatever it is.
 
     Yields:
         ``{"__key__": str, "__url__": url, "<ext>": bytes, ...}`` per sample.
@@ -419,15 +385,16 @@ def iter_samples(
     if on_corrupt not in ("warn", "raise"):
         raise ValueError(f"on_corrupt must be 'warn' or 'raise', got {on_corrupt!r}")
     stats = stats if stats is not None else ReadStats()
-    local = not _has_protocol(url) or url.startswith("file:")
-    fs, path = url_to_fs(_local(url) if local else url, **({} if local else storage_options or {}))
-    cur = _Cursor()
+    kind = load(format_of(url, format))
+    key = text_key or kind.default_text_key
+    fs, path = _fs(split_unit(url)[0], storage_options)
+    cur = ReadCursor()
     failures = 0
     opened = False
     while True:
         progress_mark = cur.done
         try:
-            for sample in _read_shard(fs, path, url, cur):
+            for sample in kind.read(fs, path, url, cur, key):
                 if not opened:
                     opened, stats.shards_opened = True, stats.shards_opened + 1
                 cur.done += 1
@@ -442,7 +409,7 @@ def iter_samples(
             raise DataSourceError(
                 f"shard {url}: access denied ({e}); check the credentials and permissions"
             ) from e
-        except _CORRUPT as e:
+        except kind.corrupt as e:
             stats.corrupt_shards += 1
             stats.skipped_samples += int(cur.pending)
             message = f"shard {url} is corrupt or truncated after {cur.done} samples: {e}"
