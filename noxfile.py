@@ -26,7 +26,7 @@ TEST_DEPS = ["pytest>=8", "pytest-timeout>=2.3"]
 PACKAGES = {
     "core": "packages/megascale-core[triton]",
     "lightning": "packages/megascale-lightning[plots]",
-    "data": "packages/megascale-data[s3,lightning,parquet,zstd]",
+    "data": "packages/megascale-data[s3,lightning,parquet,zstd,webdataset]",
     "ft": "packages/megascale-ft[lightning,s3,plots]",
 }
 # What a package's tests need beyond the package itself (test tools, servers), never another megascale package.

@@ -204,7 +204,107 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-bytes", type=parse_size, default=None, help="train on about this much text, e.g. 8MB"
     )
     t.set_defaults(func=tokenizer)
+    i = commands.add_parser(
+        "inspect",
+        help="what a source holds: format, files, units, documents, text bytes, a token estimate",
+        description="Count a source's documents and text (Parquet from footers; tar and JSONL by reading, or "
+        "by reading --sample-units and extrapolating) and estimate its tokens with --tokenizer.",
+    )
+    _source_arguments(i)
+    i.add_argument("--tokenizer", default="bytes", help="'bytes', a tokenizer.json or an HF directory")
+    i.add_argument("--sample-docs", type=int, default=1000, help="documents tokenized (default: 1000)")
+    i.add_argument("--sample-units", type=int, default=None, help="read only the first N units")
+    i.set_defaults(func=inspect)
+    c = commands.add_parser(
+        "convert",
+        help="write a Parquet or JSONL source as WebDataset tar shards",
+        description="Read a source (Parquet, JSONL(.zst), or tar) and write its documents as tar shards, one "
+        "'txt' member per document, as `shard` does.",
+    )
+    _source_arguments(c)
+    c.add_argument("--output", required=True, help="directory or URL for the shards")
+    c.add_argument("--prefix", default="part", help="shard name prefix (default: part)")
+    c.add_argument("--max-docs", type=int, default=1000, help="documents per shard at most (default: 1000)")
+    c.add_argument("--max-bytes", type=parse_size, default=256 * 2**20, help="text bytes per shard at most")
+    c.add_argument("--overwrite", action="store_true", help="replace existing PREFIX-*.tar shards")
+    c.set_defaults(func=convert)
     return parser
+
+
+def _source_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "urls", nargs="+", metavar="URL", help="files, brace patterns or globs, local or fsspec URLs"
+    )
+    p.add_argument(
+        "--format", choices=["tar", "parquet", "jsonl"], default=None, help="default: by extension"
+    )
+    p.add_argument("--text-key", default=None, help="member extension, column or field of the text")
+    p.add_argument(
+        "--storage-option", action="append", type=_storage_option, metavar="KEY=VALUE",
+        help="fsspec option for remote URLs, repeatable",
+    )  # fmt: skip
+
+
+def _source(args: argparse.Namespace) -> Any:
+    from megascale.data.sources import DataSourceError, Source
+
+    urls = args.urls[0] if len(args.urls) == 1 else list(args.urls)
+    try:
+        return Source(urls, storage_options=dict(args.storage_option or []) or None, text_key=args.text_key,
+                      format=args.format)  # fmt: skip
+    except (ValueError, TypeError, DataSourceError) as e:
+        raise UsageError(str(e)) from e
+
+
+def inspect(args: argparse.Namespace) -> int:
+    """The `inspect` subcommand: one JSON object."""
+    from megascale.data.report import inspect_source
+    from megascale.data.sources import DataSourceError
+    from megascale.data.tokenize import load_tokenizer
+
+    try:
+        report = inspect_source(_source(args), load_tokenizer(args.tokenizer), sample_docs=args.sample_docs,
+                                sample_units=args.sample_units)  # fmt: skip
+    except (ValueError, ImportError, DataSourceError) as e:
+        raise UsageError(str(e)) from e
+    print(json.dumps(report.as_dict()))
+    return 0
+
+
+def convert(args: argparse.Namespace) -> int:
+    """The `convert` subcommand."""
+    from megascale.data.sources import DataSourceError, iter_samples, list_shards
+
+    source = _source(args)
+    options = source.storage_options or {}
+    output = args.output if _is_url(args.output) else os.path.abspath(args.output.removeprefix("file://"))
+    out_fs, out_path = url_to_fs(output, **(options if _is_url(output) else {}))
+    existing = out_fs.glob(f"{out_path.rstrip('/')}/{args.prefix}-*.tar")
+    if existing and not args.overwrite:
+        raise UsageError(f"{output} already holds {len(existing)} shards named {args.prefix}-*.tar: remove them, "
+                         "pass --overwrite, or choose another --prefix")  # fmt: skip
+    for path in existing:
+        out_fs.rm(path)
+    writer = ShardWriter(output, args.prefix, args.max_docs, args.max_bytes, options)
+    try:
+        units = list_shards(source)
+        for unit in tqdm(units, desc="units", unit="unit", file=sys.stderr, disable=None):
+            key = source.text_key_of(unit)
+            for sample in iter_samples(unit, storage_options=source.storage_options, format=source.format,
+                                       text_key=key):  # fmt: skip
+                raw = sample.get(key)
+                if raw is not None:
+                    writer.write(raw.decode("utf-8", errors="replace"))
+    except (ValueError, ImportError, DataSourceError) as e:
+        raise UsageError(str(e)) from e
+    finally:
+        writer.close()
+    if writer.docs == 0:
+        raise UsageError("the source holds no documents: nothing written")
+    print(
+        f"wrote {writer.docs} documents ({writer.bytes} bytes) into {writer.shards} shards: {writer.pattern()}"
+    )
+    return 0
 
 
 def tokenizer(args: argparse.Namespace) -> int:
