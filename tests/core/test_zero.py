@@ -27,36 +27,13 @@ import torch
 import torch.distributed as dist
 
 from megascale.core import GPT, GPTConfig, apply_tensor_parallel
-from megascale.core.optim import LAMB
 from megascale.core.parallel import BucketedGradReduce, OptimizerStateSharding, clip_grad_norm_
 from tests._dist import run_distributed
-from tests.core._tiny import TINY_GQA_GPT
+from tests.core._zero_steps import BUCKET_MB, CONFIG, MAX_NORM, STEPS, full, union
+from tests.core._zero_steps import batch as _batch
+from tests.core._zero_steps import optimizer as _optimizer
 
 ATOL = {"adamw-foreach": 5e-5, "adamw-loop": 5e-5, "lamb": 2e-6}  # on weights and logits; see above
-STEPS = 4
-LR = 1e-2
-MAX_NORM = 1.0  # below the tiny GPT's gradient norm (~3): every step clips
-BUCKET_MB = 4096 / 2**20  # 4 KiB: many buckets for the tiny GPT
-CONFIG = dict(TINY_GQA_GPT)
-
-
-def _batch(step: int, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(1000 * step + dp_rank)
-    return torch.randint(0, 60, (2, 8), generator=gen), torch.randint(0, 60, (2, 8), generator=gen)
-
-
-def _union(step: int, dp: int) -> tuple[torch.Tensor, torch.Tensor]:
-    parts = [_batch(step, r) for r in range(dp)]
-    return torch.cat([t for t, _ in parts]), torch.cat([y for _, y in parts])
-
-
-def _optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
-    if kind == "adamw-foreach":
-        return torch.optim.AdamW(params, lr=LR, weight_decay=0.1, foreach=True)
-    if kind == "adamw-loop":
-        return torch.optim.AdamW(params, lr=LR, weight_decay=0.1, foreach=False)
-    assert kind == "lamb"
-    return LAMB(params, lr=LR, weight_decay=0.01)
 
 
 def _local_nbytes(t: torch.Tensor) -> int:
@@ -64,12 +41,6 @@ def _local_nbytes(t: torch.Tensor) -> int:
 
     shard = local(t)
     return shard.numel() * shard.element_size()
-
-
-def _full(p: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
 
 
 def _run(
@@ -93,7 +64,7 @@ def _run(
         opt.step()
         zero.broadcast_updated()
         opt.zero_grad()
-        ref(*_union(i, dp)).backward()
+        ref(*union(i, dp)).backward()
         torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
         ref_opt.step()
         ref_opt.zero_grad()
@@ -117,7 +88,7 @@ def _run(
     out["logits"] = logits_error()
     zero.wait()
     out["weights"] = max(
-        (_full(p) - r.detach()).abs().max().item() for p, r in zip(model.parameters(), ref.parameters())
+        (full(p) - r.detach()).abs().max().item() for p, r in zip(model.parameters(), ref.parameters())
     )
     out["state_bytes"] = zero.state_bytes()
     out["full_state_bytes"] = sum(2 * _local_nbytes(p) + 4 for p in model.parameters())  # m, v, step

@@ -26,42 +26,13 @@ import torch.distributed as dist
 
 from megascale.core import GPT, GPTConfig, apply_tensor_parallel
 from megascale.core.comm_meter import CollectiveMeter
-from megascale.core.optim import LAMB
 from megascale.core.parallel import UnitTree, apply_zero, clip_grad_norm_
 from tests._dist import run_distributed
-from tests.core._tiny import TINY_GQA_GPT
+from tests.core._zero_steps import BUCKET_MB, CONFIG, LR, MAX_NORM, STEPS, full, union
+from tests.core._zero_steps import batch as _batch
+from tests.core._zero_steps import optimizer as _optimizer
 
 ATOL = {"adamw-foreach": 5e-5, "adamw-loop": 5e-5, "lamb": 2e-6}
-STEPS = 4
-LR = 1e-2
-MAX_NORM = 1.0  # below the tiny GPT's gradient norm (~3): every step clips
-BUCKET_MB = 4096 / 2**20  # 4 KiB: many buckets, parameters cut across ranks
-CONFIG = dict(TINY_GQA_GPT)
-
-
-def _batch(step: int, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(1000 * step + dp_rank)
-    return torch.randint(0, 60, (2, 8), generator=gen), torch.randint(0, 60, (2, 8), generator=gen)
-
-
-def _union(step: int, dp: int) -> tuple[torch.Tensor, torch.Tensor]:
-    parts = [_batch(step, r) for r in range(dp)]
-    return torch.cat([t for t, _ in parts]), torch.cat([y for _, y in parts])
-
-
-def _optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
-    if kind == "adamw-foreach":
-        return torch.optim.AdamW(params, lr=LR, weight_decay=0.1, foreach=True)
-    if kind == "adamw-loop":
-        return torch.optim.AdamW(params, lr=LR, weight_decay=0.1, foreach=False)
-    assert kind == "lamb"
-    return LAMB(params, lr=LR, weight_decay=0.01)
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
 
 def _local_numel(t: torch.Tensor) -> int:
@@ -94,7 +65,7 @@ def _run(kind: str, overlap: bool, dp_mesh: Any, tp_mesh: Any) -> dict[str, Any]
             opt.step()  # a plain loop: the step hooks swap the pieces in and out
             zero.after_optimizer_step(opt)
         opt.zero_grad()
-        ref(*_union(i, dp)).backward()
+        ref(*union(i, dp)).backward()
         torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
         ref_opt.step()
         ref_opt.zero_grad()
@@ -126,7 +97,7 @@ def _run(kind: str, overlap: bool, dp_mesh: Any, tp_mesh: Any) -> dict[str, Any]
     out["logits"] = logits_error()  # the pre-hooks alone bring the gathered values in
     zero.wait_for_params()
     out["weights"] = max(
-        (_full(p) - r.detach()).abs().max().item() for p, r in zip(model.parameters(), ref.parameters())
+        (full(p) - r.detach()).abs().max().item() for p, r in zip(model.parameters(), ref.parameters())
     )
     state_numel = [
         sum(v.numel() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
@@ -138,7 +109,7 @@ def _run(kind: str, overlap: bool, dp_mesh: Any, tp_mesh: Any) -> dict[str, Any]
     # Whole state for a checkpoint: equal to the reference optimizer's, on every rank.
     zero.prepare_optimizer_state(opt)
     out["state_error"] = max(
-        (_full(opt.state[p][key]) - ref_opt.state[r][key]).abs().max().item()
+        (full(opt.state[p][key]) - ref_opt.state[r][key]).abs().max().item()
         for p, r in zip(model.parameters(), ref.parameters())
         for key in ("exp_avg", "exp_avg_sq")
     )
@@ -146,7 +117,7 @@ def _run(kind: str, overlap: bool, dp_mesh: Any, tp_mesh: Any) -> dict[str, Any]
     step(STEPS)
     zero.wait_for_params()
     out["weights_after_gather"] = max(
-        (_full(p) - r.detach()).abs().max().item() for p, r in zip(model.parameters(), ref.parameters())
+        (full(p) - r.detach()).abs().max().item() for p, r in zip(model.parameters(), ref.parameters())
     )
     # Without the pre-hooks the next forward reads stale parameters.
     for handle in sharding._handles[:-2]:

@@ -99,11 +99,10 @@ def _documents(fs: Any, path: str, split: str) -> Iterator[str]:
         raise UsageError(f"input {path} is not UTF-8 text: {e}") from e
 
 
-def shard(args: argparse.Namespace) -> int:
-    """The `shard` subcommand."""
-    options = dict(args.storage_option or [])
+def _clear_output(args: argparse.Namespace, options: dict[str, Any]) -> str:
+    """The output URL (local paths made absolute), its PREFIX-*.tar shards removed with --overwrite and
+    refused without it."""
     output = args.output if _is_url(args.output) else os.path.abspath(args.output.removeprefix("file://"))
-    files = _input_files(args.inputs, options)
     out_fs, out_path = url_to_fs(output, **(options if _is_url(output) else {}))
     existing = out_fs.glob(f"{out_path.rstrip('/')}/{args.prefix}-*.tar")
     if existing and not args.overwrite:
@@ -113,6 +112,14 @@ def shard(args: argparse.Namespace) -> int:
         )
     for path in existing:
         out_fs.rm(path)
+    return output
+
+
+def shard(args: argparse.Namespace) -> int:
+    """The `shard` subcommand."""
+    options = dict(args.storage_option or [])
+    files = _input_files(args.inputs, options)
+    output = _clear_output(args, options)
     docs: Iterable[str] = (doc for fs, path in files for doc in _documents(fs, path, args.split))
     if args.shuffle:
         docs = list(docs)
@@ -277,14 +284,7 @@ def convert(args: argparse.Namespace) -> int:
 
     source = _source(args)
     options = source.storage_options or {}
-    output = args.output if _is_url(args.output) else os.path.abspath(args.output.removeprefix("file://"))
-    out_fs, out_path = url_to_fs(output, **(options if _is_url(output) else {}))
-    existing = out_fs.glob(f"{out_path.rstrip('/')}/{args.prefix}-*.tar")
-    if existing and not args.overwrite:
-        raise UsageError(f"{output} already holds {len(existing)} shards named {args.prefix}-*.tar: remove them, "
-                         "pass --overwrite, or choose another --prefix")  # fmt: skip
-    for path in existing:
-        out_fs.rm(path)
+    output = _clear_output(args, options)
     writer = ShardWriter(output, args.prefix, args.max_docs, args.max_bytes, options)
     try:
         units = list_shards(source)
