@@ -20,12 +20,14 @@ _EXPORTS = {
     "CheckpointError": "megascale.ft.manifest",
     "DriverAddress": "megascale.ft.config",
     "Executor": "megascale.ft.executor",
+    "GCSchedule": "megascale.ft.sync_gc",
     "FaultTolerance": "megascale.ft.lightning",
     "LaunchConfig": "megascale.ft.launcher",
     "Launcher": "megascale.ft.launcher",
     "NonFiniteLossError": "megascale.ft.executor",
     "SelfCheckReport": "megascale.ft.selfcheck",
     "StepTimer": "megascale.ft.timing",
+    "SynchronizedGC": "megascale.ft.gc_callback",
     "Straggler": "megascale.ft.stragglers",
     "Timeouts": "megascale.ft.config",
     "TwoStageCheckpointer": "megascale.ft.checkpoint",
@@ -44,6 +46,7 @@ if TYPE_CHECKING:
     from megascale.ft.config import Timeouts as Timeouts
     from megascale.ft.executor import Executor as Executor
     from megascale.ft.executor import NonFiniteLossError as NonFiniteLossError
+    from megascale.ft.gc_callback import SynchronizedGC as SynchronizedGC
     from megascale.ft.launcher import LaunchConfig as LaunchConfig
     from megascale.ft.launcher import Launcher as Launcher
     from megascale.ft.lightning import FaultTolerance as FaultTolerance
@@ -52,6 +55,7 @@ if TYPE_CHECKING:
     from megascale.ft.selfcheck import run_self_checks as run_self_checks
     from megascale.ft.stragglers import Straggler as Straggler
     from megascale.ft.stragglers import find_stragglers as find_stragglers
+    from megascale.ft.sync_gc import GCSchedule as GCSchedule
     from megascale.ft.timeline import plot_step_heatmap as plot_step_heatmap
     from megascale.ft.timeline import plot_timeline as plot_timeline
     from megascale.ft.timeline import write_chrome_trace as write_chrome_trace

@@ -358,20 +358,29 @@ class TwoStageCheckpointer:
 
     # --- find and load ----------------------------------------------------------------------------------
     def _problem(self, step: int) -> str | None:
-        """Why ``step`` cannot be loaded (partial, corrupt, ...), or None when it is intact. Reads files."""
+        """Why ``step`` cannot be loaded (partial, corrupt, ...), or None when it is intact; the same answer on
+        every rank. Collective: every rank reads the manifest and hashes its share of the files (1/world of
+        the checkpoint, several files at once), and the verdicts are gathered."""
         where = self._where(step)
+        problem: str | None = None
         try:
             manifest = read_manifest(self._fs, self._dir(step), where)
             if manifest is None:
-                return "partial (no manifest.json: its save did not finish)"
-            if manifest.step != step:
-                return f"inconsistent (its manifest says step {manifest.step})"
-            reason = verify_files(self._fs, self._dir(step), manifest, on_read=self._count_checksum_read)
+                problem = "partial (no manifest.json: its save did not finish)"
+            elif manifest.step != step:
+                problem = f"inconsistent (its manifest says step {manifest.step})"
+            else:
+                reason = verify_files(
+                    self._fs, self._dir(step), manifest, on_read=self._count_checksum_read,
+                    share=(self.rank, self.world_size),
+                )  # fmt: skip
+                problem = None if reason is None else f"corrupt ({reason})"
         except CheckpointError as e:
-            return str(e)
-        except Exception as e:  # rank 0 must still answer the other ranks
-            return f"unreadable ({e!r})"
-        return None if reason is None else f"corrupt ({reason})"
+            problem = str(e)
+        except Exception as e:  # every rank must still answer the others
+            problem = f"unreadable ({e!r})"
+        # the first problem in rank order: ranks verified different files, any one of them failing is enough
+        return next((p for p in self._gather(problem) if p is not None), None)
 
     def _count_checksum_read(self, size: int) -> None:
         self._checksum_bytes += size
@@ -379,29 +388,30 @@ class TwoStageCheckpointer:
     def latest(self) -> int | None:
         """The newest step whose manifest exists and whose files match their checksums, or None.
 
-        Newer partial or corrupt checkpoints are skipped with a warning saying why. Rank 0 checks the
-        files and tells the others. Waits for a save in flight to finish first.
+        Newer partial or corrupt checkpoints are skipped with a warning saying why. Rank 0 lists the
+        checkpoints; every rank verifies its share of each candidate's files (collective). Waits for a save
+        in flight to finish first.
         """
         self._join()
-        found, error = None, None
+        steps, error = [], None
         if self.rank == 0:
             try:
                 steps = self._steps()
             except Exception as e:  # rank 0 must still answer the other ranks
-                steps, error = [], f"cannot list checkpoints under {self.root}: {e!r}"
-            for step in reversed(steps):
-                problem = self._problem(step)
-                if problem is None:
-                    found = step
-                    break
+                error = f"cannot list checkpoints under {self.root}: {e!r}"
+        steps, error = self._from_rank0((steps, error))
+        if error is not None:
+            raise CheckpointError(f"{error}; check the path and storage_options")
+        for step in reversed(steps):
+            problem = self._problem(step)
+            if problem is None:
+                return cast(int, step)
+            if self.rank == 0:
                 warnings.warn(
                     f"skipping {self._where(step)}: {problem}; falling back to an older checkpoint",
                     stacklevel=2,
                 )
-        found, error = self._from_rank0((found, error))
-        if error is not None:
-            raise CheckpointError(f"{error}; check the path and storage_options")
-        return cast("int | None", found)
+        return None
 
     def manifest(self, step: int) -> Manifest:
         """The manifest of the committed checkpoint of ``step``: its world size, files, torch version.
@@ -469,7 +479,7 @@ class TwoStageCheckpointer:
                     "storage_options, or start from scratch"
                 )
         else:
-            problem = self._from_rank0(self._problem(step) if self.rank == 0 else None)
+            problem = self._problem(step)
             if problem is not None:
                 raise CheckpointError(f"{self._where(step)} is {problem}: load another step, or delete it")
         where = self._where(step)

@@ -42,10 +42,11 @@ Design choices:
   every layout: tp, pp, dp with ZeRO 0–3). Others (FSDP, DeepSpeed, XLA, ModelParallelStrategy) save and load
   through their own checkpoint engines and are refused.
 - **How a rank loads** (`_load_layout`): where ranks hold different entries (pipeline stages, ZeRO-1
-  optimizer states by owner, or a strategy whose layout is unknown here) each loads only its own
-  (``partial``). Where a group of ranks holds identical state (DDP: the world; MegaScaleStrategy with ZeRO-0:
-  the dp group, which lies within one pipeline stage and tp rank) one of them reads and broadcasts to the
-  rest (``replicas``). A strategy tells both through ``checkpoint_layout()``; RNG states are per rank, and
+  optimizer states by owner under ``zero1_sharding="parameters"``, or a strategy whose layout is unknown
+  here) each loads only its own (``partial``). Where a group of ranks holds identical state (DDP: the world;
+  MegaScaleStrategy with ZeRO-0 or ZeRO-1, whose checkpoints hold the optimizer state whole: the dp group,
+  which lies within one pipeline stage and tp rank) one of them reads and broadcasts to the rest
+  (``replicas``). A strategy tells both through ``checkpoint_layout()``; RNG states are per rank, and
   each rank reads its own.
 - Exactness: a resumed run matches an uninterrupted one bit for bit when the data pipeline resumes exactly
   (a stateful datamodule or dataloader) and the world size is the same (with another world size the
