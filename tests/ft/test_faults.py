@@ -57,6 +57,12 @@ def test_a_fault_is_detected_and_the_restarted_run_ends_bitwise_equal(fault, uni
     assert (first["fault"]["kind"], first["fault"]["rank"]) == (kind, rank), first
     assert first["fault"]["latency"] <= bound, f"detected after {first['fault']['latency']:.2f} s > {bound} s"
     assert second["fault"] is None
+    if kind == "hung":  # every rank's stacks were taken before the kill; the frozen rank is named
+        stacks = first["fault"]["stacks"]
+        assert list(stacks["suspects"]) == [str(rank)], stacks
+        assert "ft_ddp.py" in stacks["suspects"][str(rank)], stacks  # the frame it was frozen in
+        assert all(Path(f).is_file() for f in stacks["files"].values()) and len(stacks["files"]) == 2
+        assert f"rank {rank} differs, in" in output
     if skipped is not None:  # the damaged newest checkpoint was passed over for the one before it
         assert f"skipping checkpoint step-000000004 under {tmp_path / 'ckpt'}: {skipped}" in output, output[
             -4000:

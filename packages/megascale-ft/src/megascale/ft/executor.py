@@ -97,6 +97,9 @@ class Executor:
             ),  # the driver's concern, not the rank's
         )
         token = os.environ.get(ENV["token"], "")
+        from megascale.ft.stacks import arm_stack_dump
+
+        arm_stack_dump(rank)  # the driver asks for every rank's stacks before it kills a hung job
         return cls(rank, url, token, timeouts, int(os.environ.get(ENV["attempt"], "0")))
 
     @property

@@ -23,7 +23,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,7 @@ from megascale.ft.config import DriverAddress, Timeouts
 from megascale.ft.executor import ENV
 from megascale.ft.heartbeat import HeartbeatServer
 from megascale.ft.monitor import Fault, JobMonitor
+from megascale.ft.stacks import STACKS_ENV
 
 __all__ = ["LaunchConfig", "Launcher", "RunReport"]
 
@@ -97,6 +98,8 @@ class RunReport:
             what = "ok" if fault is None else f"{fault['kind']} of rank {fault['rank']}: {fault['message']}"
             latency = "" if fault is None else f", noticed after {fault['latency']:.2f} s"
             lines.append(f"  attempt {a['attempt']}: {what}{latency} ({a['seconds']:.1f} s)")
+            if fault is not None and fault.get("stacks"):
+                lines.append(f"    stacks: {fault['stacks']['summary']}")
         if self.reason:
             lines.append(f"  {self.reason}")
         return "\n".join(lines)
@@ -145,7 +148,21 @@ class Launcher:
         })  # fmt: skip
         if self.config.storage:
             env["MEGASCALE_FT_STORAGE"] = self.config.storage
+        env[STACKS_ENV] = str(self._stacks_dir(attempt))
         return env
+
+    def _stacks_dir(self, attempt: int) -> Path:
+        return self.run_dir / "stacks" / f"attempt-{attempt}"
+
+    def _localise_hang(self, server: HeartbeatServer, attempt: int, fault: Fault) -> Fault:
+        """Every rank's stacks, before the tree is killed; the ranks that stand out go into the fault."""
+        from megascale.ft.stacks import collect_stacks, localise
+
+        pids = {b.rank: b.pid for b in server.beats() if b.host == socket.gethostname()}
+        directory = self._stacks_dir(attempt)
+        report = localise(collect_stacks(pids, directory), sorted(pids), str(directory))
+        log.error("hang: %s (stacks in %s)", report.summary(), directory)
+        return replace(fault, stacks=report.to_json())
 
     def _self_check(self, attempt: int) -> dict[str, Any]:
         report = self.run_dir / f"selfcheck-{attempt}.json"
@@ -196,6 +213,8 @@ class Launcher:
                     time.sleep(3 * POLL_S)  # a peer may have died first and caused this one's error
                     fault = monitor.check() or fault
                 if fault is not None:
+                    if fault.kind == "hung":
+                        fault = self._localise_hang(server, attempt, fault)
                     return fault
                 code = process.poll()
                 if code is not None:

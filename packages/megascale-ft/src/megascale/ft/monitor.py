@@ -37,6 +37,8 @@ class Fault:
     message: str
     detected: float
     since: float
+    #: a hang: every rank's stacks and the ranks that stand out (``megascale.ft.stacks.HangReport.to_json``)
+    stacks: dict[str, Any] | None = None
 
     @property
     def latency(self) -> float:
