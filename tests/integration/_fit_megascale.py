@@ -1,7 +1,7 @@
 """A tiny megascale GPT fitted with MegaScaleStrategy and `FaultTolerance`, under ``megascale-ft launch``.
 
     megascale-ft launch --nproc-per-node 2 -- tests/integration/_fit_megascale.py CKPT_DIR OUT.pt [--tp 2]
-        [--pp 1] [--zero-stage 1] [--every 2] [--max-bytes 20000] [--fault sigkill@STEP:RANK]
+        [--pp 1] [--zero-stage 1] [--every 2] [--max-bytes 20000] [--fault sigkill@STEP:RANK | slow@STEP:RANK]
 
 GPTModule (AdamW, warmup + cosine schedule, gradient clipping) on TokenDataModule (shuffled, resumable) with
 dropout drawing from each rank's own generator. A fault fires in the first attempt only
@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import os
 import signal
+import time
 from typing import Any
 
 import torch
@@ -43,6 +44,8 @@ class FaultyGPT(GPTModule):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         if self.kind == "sigkill" and self.global_rank == self.who and self.global_step == self.at:
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.kind == "slow" and self.global_rank == self.who and self.global_step >= self.at:
+            time.sleep(0.2)  # a slow host: this rank computes longer every step, its peers wait for it
         return super().training_step(batch, batch_idx)
 
 

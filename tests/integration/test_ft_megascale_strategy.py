@@ -16,6 +16,7 @@ Bitwise holds because every reduction here adds two values (dp2, tp2), which is 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -58,3 +59,28 @@ def test_a_killed_rank_restarts_and_the_fit_ends_bitwise_equal(tmp_path: Path, l
     assert result["weights"].keys() == reference["weights"].keys()
     for key, value in reference["weights"].items():
         assert torch.equal(result["weights"][key], value), f"{layout}: {key} differs"
+
+
+@pytest.mark.slow
+def test_a_slow_rank_is_named_a_straggler_while_its_peers_wait(tmp_path: Path) -> None:
+    """dp2 ZeRO-1: rank 1 sleeps 0.2 s in every training step from step 2; rank 0 waits for it in the
+    gradient reduction, which the strategy times as "wait/grad-reduce" for FaultTolerance. Only the
+    compute time (step minus waits) tells them apart: their step times are equal."""
+    ranks, args = LAYOUTS["dp2/zero1"]
+    _, report = launch_fit(
+        tmp_path / "slow", SCRIPT, *args, "--steps", "12", "--fault", "slow@2:1", ranks=ranks
+    )
+    assert report["ok"]
+    trace = json.loads((tmp_path / "slow" / "run" / "timeline.json").read_text())
+    waits = [e for e in trace["traceEvents"] if str(e.get("name", "")).startswith("wait/grad-reduce")]
+    assert waits, "no wait sections recorded"
+    flagged = _stragglers(tmp_path / "slow")
+    assert flagged == [1], flagged
+    launch_fit(tmp_path / "clean", SCRIPT, *args, "--steps", "12", ranks=ranks)
+    assert _stragglers(tmp_path / "clean") == []
+
+
+def _stragglers(tmp: Path) -> list[int]:
+    """The ranks the driver flagged (straggler instant events of its timeline.json)."""
+    trace = json.loads((tmp / "run" / "timeline.json").read_text())
+    return sorted({e["pid"] for e in trace["traceEvents"] if e.get("cat") == "straggler"})

@@ -166,6 +166,12 @@ class FaultTolerance(Callback):
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         assert self.checkpointer is not None
+        set_wait_timer = getattr(trainer.strategy, "set_wait_timer", None)
+        if callable(set_wait_timer) and self.executor is not None:
+            # waits for other ranks inside a step (MegaScaleStrategy's gradient reductions and parameter
+            # gathers) become "wait/<kind>" sections: compute = step - waits then names a slow rank
+            timer = self.executor.timer
+            set_wait_timer(lambda kind: timer.section(f"wait/{kind}"))
         step = self.checkpointer.latest()
         if step is not None:
             self._restore(trainer, pl_module, step)

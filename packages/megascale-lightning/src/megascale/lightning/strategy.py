@@ -52,6 +52,7 @@ from megascale.core.parallel.compose import CheckpointLayout, ParallelRuntime, p
 from megascale.core.parallel.grad_clip import SumGroup
 from megascale.core.parallel.mesh import ParallelDims
 from megascale.core.parallel.plan import ParallelPlan
+from megascale.core.parallel.wait_timer import WaitTimer, untimed
 from megascale.lightning import checkpoint_io
 from megascale.lightning.pipeline_loop import PipelineLoop
 from megascale.lightning.precision import to_megascale_precision
@@ -159,6 +160,7 @@ class MegaScaleStrategy(ParallelStrategy):
         self._pipeline_loop: PipelineLoop | None = None
         self._wait_after_step = False  # ZeRO-1: hooks between steps read weights (see setup)
         self._rng_to_restore: dict[str, Any] | None = None  # dropout streams of a resumed checkpoint
+        self._wait_timer: WaitTimer | None = None
 
     # ---- layout -------------------------------------------------------------------------------------
 
@@ -309,6 +311,8 @@ class MegaScaleStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             self.runtime.zero.attach_optimizers(self.optimizers)
+            if self._wait_timer is not None:
+                self.runtime.set_wait_timer(self._wait_timer)
             readers = weight_readers_between_steps(trainer) if self.runtime.zero.stage == 1 else []
             self._wait_after_step = bool(readers) and self.plan.overlap_param_gather
             if self._wait_after_step:
@@ -418,7 +422,9 @@ class MegaScaleStrategy(ParallelStrategy):
     @override
     def reduce(self, tensor: Any, group: Any = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
         if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            # self.log(..., sync_dist=True) inside training_step: where a fast rank waits for a slow one
+            with (self._wait_timer or untimed)("metric-sync"):
+                return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
     # ---- checkpoints --------------------------------------------------------------------------------
@@ -484,6 +490,13 @@ class MegaScaleStrategy(ParallelStrategy):
         # draws from the default generator (DataLoader's base seed) where the saved run had drawn long before
         self._rng_to_restore = checkpoint.pop(RNG_KEY, None)
         return checkpoint
+
+    def set_wait_timer(self, timer: WaitTimer) -> None:
+        """Time the waits for other ranks with ``timer`` (``megascale.core.parallel.wait_timer``): how
+        megascale-ft's ``FaultTolerance`` tells a slow rank from its waiting peers."""
+        self._wait_timer = timer
+        if self._runtime is not None:
+            self._runtime.set_wait_timer(timer)
 
     def random_streams_state(self) -> dict[str, Tensor] | None:
         """This rank's model-parallel dropout streams (``megascale.core.parallel.rng``; None with tp = pp = 1),

@@ -10,7 +10,9 @@ not. ``mesh`` is the ("dp", "pp", "tp") DeviceMesh of ``ParallelDims.build_mesh`
    ``apply_tensor_parallel_plan``; parameters the module split itself (DTensors on "tp") are kept;
 2. pipeline split on "pp": the one model offering ``pipeline_layers()``/``pipeline_loss()`` keeps this
    rank's stages — still on the meta device, so no rank materialises the whole model;
-3. materialisation of meta tensors (``materialize``: each module's own init, the same values in any layout);
+3. materialisation of meta tensors (``materialize``: each module's own init, the same values in any layout;
+   a GPT whose ``pretrained`` names a Hugging Face checkpoint reads its slices of it here, before ZeRO, so
+   ZeRO-2/3 shard the loaded values);
 4. activation checkpointing — wraps the already-split blocks, so recomputation replays their collectives;
 5. data-parallel replicas made equal (rank 0's values), then ZeRO on "dp" over *every* parameter of
    ``module`` (``zero.apply_zero``): units per block where the model lists its blocks, the rest under
@@ -50,6 +52,7 @@ from megascale.core.parallel.materialize import has_meta_tensors, materialize
 from megascale.core.parallel.mesh import MESH_DIMS, ParallelDims
 from megascale.core.parallel.plan import ParallelPlan
 from megascale.core.parallel.rng import ModelParallelRNG
+from megascale.core.parallel.wait_timer import WaitTimer
 from megascale.core.parallel.zero import UnitTree, ZeroRuntime, apply_zero
 
 if TYPE_CHECKING:
@@ -109,6 +112,12 @@ class ParallelRuntime:
         finally:
             if self.pipeline is not None:
                 self.pipeline.sync_gradients = True
+
+    def set_wait_timer(self, timer: WaitTimer) -> None:
+        """Time the waits for other ranks (``wait_timer.py``): ZeRO-0/1's gradient reduction left after
+        backward and ZeRO-1's parameter gathers. (Pipeline receives, tensor-parallel collectives and FSDP2's
+        waits are not timed yet.)"""
+        self.zero.set_wait_timer(timer)
 
     def checkpoint_layout(self) -> CheckpointLayout:
         partial = self.dims.pp > 1 or self.zero.checkpoint_partial

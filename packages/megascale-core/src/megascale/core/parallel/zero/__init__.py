@@ -40,6 +40,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
+from megascale.core.parallel.wait_timer import WaitTimer
 from megascale.core.parallel.zero.grad_reduce import BucketedGradReduce
 from megascale.core.parallel.zero.optimizer_state import OptimizerStateSharding
 from megascale.core.parallel.zero.sharded_step import ShardedOptimizerStep
@@ -111,6 +112,9 @@ class ZeroRuntime:
         gradient norm adds their shares over it. None where every rank holds them whole."""
         return None
 
+    def set_wait_timer(self, timer: WaitTimer) -> None:
+        """Time the waits for other ranks with ``timer`` (``megascale.core.parallel.wait_timer``)."""
+
     def remove(self) -> None:
         """Unregister hooks (waits for parameters in flight first)."""
 
@@ -144,6 +148,9 @@ class _ReplicatedGradients(ZeroRuntime):
 
     def replica_group(self) -> dist.ProcessGroup | None:
         return self.group
+
+    def set_wait_timer(self, timer: WaitTimer) -> None:
+        self.reduce.wait_timer = timer
 
     def remove(self) -> None:
         self.reduce.remove()
@@ -242,6 +249,7 @@ class _ShardedOptimizerState(_ReplicatedGradients):
             )
             for opt in optimizers
         }
+        self.set_wait_timer(self.reduce.wait_timer)
 
     def _of(self, optimizer: Optimizer) -> OptimizerStateSharding | None:
         # Lightning may hand over its wrapper (LightningOptimizer) of the optimizer
@@ -268,6 +276,11 @@ class _ShardedOptimizerState(_ReplicatedGradients):
 
     def holds_all_optimizer_states(self, optimizer: Optimizer) -> bool:
         return self._of(optimizer) is None
+
+    def set_wait_timer(self, timer: WaitTimer) -> None:
+        super().set_wait_timer(timer)
+        for sharding in self.sharding.values():
+            sharding.wait_timer = timer
 
     def replica_group(self) -> dist.ProcessGroup | None:
         return None

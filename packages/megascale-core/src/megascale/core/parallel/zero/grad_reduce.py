@@ -50,6 +50,7 @@ from torch import Tensor, nn
 
 from megascale.core._dtensor import local
 from megascale.core.parallel.tp_comm import reduce_scatter_flat
+from megascale.core.parallel.wait_timer import WaitTimer, untimed
 
 __all__ = ["BucketedGradReduce"]
 
@@ -128,6 +129,7 @@ class BucketedGradReduce:
         self.overlap = overlap
         self.reduce_dtype = reduce_dtype
         self.scatter = scatter
+        self.wait_timer: WaitTimer = untimed  # around the wait for what backward left outstanding
         self.rank = dist.get_rank(group) if scatter else 0
         self._sync = True
         self._next_launch = 0
@@ -245,6 +247,10 @@ class BucketedGradReduce:
             return
         for bucket in self.buckets[self._next_launch :]:
             self._launch(bucket)
+        with self.wait_timer("grad-reduce"):
+            self._complete_all()
+
+    def _complete_all(self) -> None:
         try:
             for bucket in self.buckets:
                 assert bucket.work is not None and bucket.flat is not None

@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from megascale.core._dtensor import local
+from megascale.core.parallel.wait_timer import WaitTimer, untimed
 
 __all__ = ["OptimizerStateSharding", "optimizer_params", "register_unit_waits"]
 
@@ -140,6 +141,7 @@ class OptimizerStateSharding:
                 optimizer.state.pop(p, None)
         self.buckets = self._make_buckets(int(bucket_size_mb * _MIB))
         self._pending: dict[int, tuple[Tensor, Any]] = {}  # bucket index -> (flat buffer, work)
+        self.wait_timer: WaitTimer = untimed  # around the next forward's waits for the broadcasts
         if units is None:
             layers = getattr(module, "layers", None)
             units = layers() if callable(layers) else []
@@ -278,9 +280,11 @@ class OptimizerStateSharding:
         return register_unit_waits(units, bucket_of, self._wait_buckets)
 
     def _wait_buckets(self, buckets: Iterable[int]) -> None:
-        for b in buckets:
-            if b in self._pending:
-                self._complete(b)
+        waiting = [b for b in buckets if b in self._pending]
+        if waiting:
+            with self.wait_timer("param-gather"):
+                for b in waiting:
+                    self._complete(b)
 
     def remove(self) -> None:
         """Remove the forward pre-hooks (call ``wait()`` first if a gather may be pending)."""

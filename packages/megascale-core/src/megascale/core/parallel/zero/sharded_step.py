@@ -231,11 +231,15 @@ class ShardedOptimizerStep:
 
     @torch.no_grad()
     def _wait_buckets(self, buckets: Iterable[int]) -> None:
+        waiting = [b for b in buckets if b in self._pending]
+        if not waiting:
+            return
+        with self.reducer.wait_timer("param-gather"):
+            self._receive(waiting)
+
+    def _receive(self, buckets: list[int]) -> None:
         for b in buckets:
-            pending = self._pending.pop(b, None)
-            if pending is None:
-                continue
-            full, work = pending
+            full, work = self._pending.pop(b)
             work.wait()
             bucket = self.reducer.buckets[b]
             for p, offset in zip(bucket.params, bucket.offsets):
