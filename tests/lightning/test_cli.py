@@ -102,6 +102,9 @@ def test_every_module_argument_is_settable(capsys):
     printed = _printed_config(capsys)
     module_args = set(inspect.signature(GPTModule.__init__).parameters) - {"self"}
     assert module_args <= set(printed["model"])
+    # the architecture comes from model.config or from model.pretrained's config.json: neither by default
+    assert printed["model"]["config"] is None and printed["model"]["pretrained"] is None
+    printed = _printed_config(capsys, "--model.config.d_model", "768")
     assert set(printed["model"]["config"]) == {f.name for f in fields(GPTConfig)}
     assert printed["seed_everything"] == 0
     assert printed["trainer"]["gradient_clip_val"] == 1.0  # the pretraining defaults

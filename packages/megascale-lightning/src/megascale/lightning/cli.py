@@ -3,7 +3,7 @@
 #
 #     megascale fit --config tiny_cpu.yaml                  # a shipped config, by name
 #     megascale fit --config my.yaml --trainer.max_steps 50
-#     python -m megascale.lightning.cli fit --print_config   # every option, model.config.* included
+#     python -m megascale.lightning.cli fit --print_config   # every option (model.config.*: --model.config.help)
 #     megascale configs                                     # shipped configs and their paths
 #     megascale convert CHECKPOINT_DIR model.pt             # a checkpoint → one plain file for inference
 #     megascale convert --from-hf HF_DIR model.pt           # a Hugging Face model → that file

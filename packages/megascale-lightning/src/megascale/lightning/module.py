@@ -7,6 +7,11 @@
 # `GPT.init_weights()`. Nothing here materialises or assumes plain tensors: parameters may be DTensors by the
 # time `configure_optimizers` runs (param groups use the logical `ndim`; LAMB and AdamW take DTensors).
 #
+# Continuing from a Hugging Face checkpoint (`pretrained=DIR`): the config comes from DIR/config.json, and the
+# GPT is told where its weights are (`GPT.pretrained`), so whoever materialises it loads them through
+# `init_weights()` — a strategy after the tensor/pipeline split and before ZeRO, each rank reading only its
+# slices; without a meta-device context (one process, DDP) `configure_model` itself.
+#
 # Choices where the brief left room:
 # - Hyperparameters are saved as one explicit dict, the config as `GPTConfig.to_dict()`, so a checkpoint
 #   holds only plain Python types and loads with `torch.load(weights_only=True)`; `__init__` accepts that
@@ -52,6 +57,7 @@ from torch import Tensor, nn
 
 from megascale.core import GPT, GPTConfig, flops_per_token
 from megascale.core import generate as _generate
+from megascale.core.hf import OVERRIDABLE, HFCheckpoint, config_conflicts, gpt_config_from_hf
 from megascale.core.optim import LAMB
 from megascale.core.parallel.grad_clip import grad_norm
 from megascale.lightning.data import data_parallel_layout
@@ -95,12 +101,32 @@ def _plain(t: Tensor) -> Tensor:
     return full() if callable(full) else t
 
 
+def _config_of_pretrained(pretrained: str, given: GPTConfig | None) -> GPTConfig:
+    """The GPTConfig of the Hugging Face checkpoint ``pretrained``, or ``given`` if it builds the same network."""
+    with HFCheckpoint(pretrained) as checkpoint:
+        config = gpt_config_from_hf(checkpoint.config)
+    if given is None:
+        return config
+    conflicts = config_conflicts(given, config)
+    if conflicts:
+        raise ValueError(
+            f"model.config conflicts with the architecture of model.pretrained ({pretrained}/config.json) in: "
+            + "; ".join(conflicts)
+            + ". Leave model.config out to take the checkpoint's; only the fields that say how to train or run "
+            f"may differ: {sorted(OVERRIDABLE)}"
+        )
+    return given
+
+
 class GPTModule(LightningModule):
     """Next-token pretraining of a megascale-core GPT.
 
     Args:
         config: the GPT's architecture (nested in YAML as ``model.config.*``); a plain dict is accepted too,
-            which is how a checkpoint's hyperparameters give it back.
+            which is how a checkpoint's hyperparameters give it back. With ``pretrained`` it may be left out
+            (the checkpoint's config.json gives it); given, it must build the same network (only the fields
+            that say how to train or run may differ: ``max_seq_len``, ``dropout``, ``kernels``,
+            ``pad_vocab_to_multiple_of``, ``init_std``), otherwise ValueError naming the conflicting fields.
         optimizer: "adamw" (torch AdamW, fused/foreach as torch chooses) or "lamb" (megascale LAMB, for
             large batches; trust ratios over whole tensors even when sharded).
         lr: peak learning rate.
@@ -114,12 +140,16 @@ class GPTModule(LightningModule):
         eps: the optimizer's denominator epsilon.
         init_seed: seed of the weight init (``GPT.init_weights(seed)``: the same values under any parallel
             layout); None = the global RNG (``seed_everything``). Read by strategies that materialise a
-            meta-device model.
+            meta-device model. Not with ``pretrained``.
+        pretrained: a Hugging Face model directory (config.json + safetensors of a llama, qwen2, qwen3 or
+            mistral model) to continue training from: its architecture becomes the config, and its weights
+            the initial weights under any layout, each rank reading only the slices it holds
+            (``megascale.core.hf.load_hf_weights_``). Needs ``pip install 'megascale-core[hf]'``.
     """
 
     def __init__(
         self,
-        config: GPTConfig,
+        config: GPTConfig | None = None,
         optimizer: Literal["adamw", "lamb"] = "adamw",
         lr: float = 3e-4,
         min_lr_ratio: float = 0.1,
@@ -129,11 +159,22 @@ class GPTModule(LightningModule):
         betas: tuple[float, float] = (0.9, 0.95),
         eps: float = 1e-8,
         init_seed: int | None = None,
+        pretrained: str | None = None,
     ) -> None:
         super().__init__()
         if isinstance(config, Mapping):  # from a checkpoint's hyperparameters
             config = GPTConfig(**config)
         problems = []
+        if pretrained is not None:
+            pretrained = str(pretrained)
+            config = _config_of_pretrained(pretrained, config)
+            if init_seed is not None:
+                problems.append(f"init_seed={init_seed} has no effect: the weights come from pretrained")
+        elif config is None:
+            raise ValueError(
+                "GPTModule needs a config (model.config) or a Hugging Face checkpoint to start from "
+                "(model.pretrained)"
+            )
         if optimizer not in ("adamw", "lamb"):
             problems.append(f"optimizer={optimizer!r} must be 'adamw' or 'lamb'")
         if lr <= 0:
@@ -158,6 +199,7 @@ class GPTModule(LightningModule):
                 "betas": tuple(betas),
                 "eps": eps,
                 "init_seed": init_seed,
+                "pretrained": pretrained,
             }
         )
         self.config = config
@@ -170,6 +212,7 @@ class GPTModule(LightningModule):
         self.betas = (float(betas[0]), float(betas[1]))
         self.eps = eps
         self.init_seed = init_seed
+        self.pretrained = pretrained
         self.model: GPT | None = None
         # Per-device FLOPs of the last batch's shape, for ThroughputMonitor (see the header); None until the
         # first batch.
@@ -185,8 +228,23 @@ class GPTModule(LightningModule):
         initialised: whoever materialises it calls ``to_empty`` and ``init_weights(init_seed)``. Otherwise the
         GPT initialises itself from the global RNG, and again from ``init_seed`` if one is given. Either way
         ``init_seed`` becomes the GPT's ``init_seed``, which its ``init_weights()`` uses.
+
+        With ``pretrained`` the GPT is built on the meta device and told where its weights are
+        (``GPT.pretrained``): under a meta-device context it stays there, for the strategy to split and then
+        materialise (``init_weights()`` loads each rank's slices); otherwise it is given memory on the context's
+        device and loaded at once, without drawing random weights first.
         """
         if self.model is not None:
+            return
+        if self.pretrained is not None:
+            device = torch.get_default_device()  # the strategy's tensor_init_context: meta, or its device
+            with torch.device("meta"):
+                model = GPT(self.config)
+            model.pretrained = self.pretrained
+            if device.type != "meta":
+                model.to_empty(device=device)
+                model.init_weights()
+            self.model = model
             return
         model = GPT(self.config)
         if self.init_seed is not None:

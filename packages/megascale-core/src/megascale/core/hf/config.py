@@ -23,7 +23,7 @@ from typing import Any
 
 from megascale.core.config import GPTConfig, RopeScaling
 
-__all__ = ["MODEL_TYPES", "gpt_config_from_hf", "hf_config_from_gpt"]
+__all__ = ["MODEL_TYPES", "OVERRIDABLE", "config_conflicts", "gpt_config_from_hf", "hf_config_from_gpt"]
 
 # Fields that do not change what the network computes from its weights, whatever the model type.
 _NOT_ARCHITECTURE = frozenset(
@@ -135,8 +135,11 @@ _FAMILIES: dict[str, _Family] = {
 MODEL_TYPES: tuple[str, ...] = tuple(_FAMILIES)
 """The Hugging Face model types converted both ways."""
 
-# GPTConfig fields that only say how to train or run the model, which a caller may set on import.
-_OVERRIDABLE = frozenset({"max_seq_len", "pad_vocab_to_multiple_of", "kernels", "dropout", "init_std"})
+OVERRIDABLE: frozenset[str] = frozenset(
+    {"max_seq_len", "pad_vocab_to_multiple_of", "kernels", "dropout", "init_std"}
+)
+"""GPTConfig fields that only say how to train or run the model (not what its weights compute), which a
+caller may set on import."""
 
 
 def _family(model_type: object) -> _Family:
@@ -175,11 +178,11 @@ def gpt_config_from_hf(config: Mapping[str, Any], **overrides: Any) -> GPTConfig
     missing = [k for k in _REQUIRED if config.get(k) is None]
     if missing:
         raise ValueError(f"config.json lacks the required field(s) {missing}")
-    bad_overrides = sorted(set(overrides) - _OVERRIDABLE)
+    bad_overrides = sorted(set(overrides) - OVERRIDABLE)
     if bad_overrides:
         raise ValueError(
             f"gpt_config_from_hf cannot override {bad_overrides}: they are set by config.json; overridable: "
-            f"{sorted(_OVERRIDABLE)}"
+            f"{sorted(OVERRIDABLE)}"
         )
 
     def get(key: str) -> Any:  # an absent field takes transformers' default; an explicit null stays null
@@ -329,6 +332,52 @@ def _windows(config: Mapping[str, Any], family: _Family, n_layers: int) -> tuple
         "(layer_types / max_window_layers): GPTConfig expresses a window on every layer or full attention on "
         "every n-th layer (full_attention_every) only"
     )
+
+
+def config_conflicts(config: GPTConfig, reference: GPTConfig) -> list[str]:
+    """The GPTConfig fields on which ``config`` builds another network than ``reference`` (e.g. the one
+    ``gpt_config_from_hf`` reads from a checkpoint), each as ``"field=value (reference: value)"``; empty when
+    the two compute the same function of the same weights. Fields in ``OVERRIDABLE`` (how to train or run:
+    ``max_seq_len``, ``dropout``, ...) are not compared; fields spelled two ways are compared by what they
+    mean (``n_kv_heads`` None and equal to ``n_heads``; ``ffn_hidden`` against the width ``ffn_multiple_of``
+    gives; windows layer by layer)."""
+
+    def windows(c: GPTConfig) -> list[int | None]:
+        return [c.window_for_layer(i) for i in range(c.n_layers)]
+
+    # (field as the user writes it, what it means, read from a config)
+    meanings: list[tuple[str, Any]] = [
+        ("vocab_size", lambda c: c.vocab_size),
+        ("d_model", lambda c: c.d_model),
+        ("n_layers", lambda c: c.n_layers),
+        ("n_heads", lambda c: c.n_heads),
+        ("n_kv_heads", lambda c: c.kv_heads),
+        ("head_size", lambda c: c.head_dim),
+        ("ffn_hidden", lambda c: c.ffn_dim),
+        ("norm", lambda c: c.norm),
+        ("activation", lambda c: c.activation),
+        ("parallel_block", lambda c: c.parallel_block),
+        ("sliding_window", windows),
+        ("rope_theta", lambda c: c.rope_theta),
+        ("rope_scaling", lambda c: c.rope_scaling),
+        ("tie_embeddings", lambda c: c.tie_embeddings),
+        ("norm_eps", lambda c: c.norm_eps),
+        ("bias", lambda c: c.bias),
+        ("qkv_bias", lambda c: c.qkv_bias),
+        ("qk_norm", lambda c: c.qk_norm),
+    ]
+    out = []
+    for name, meaning in meanings:
+        mine, theirs = meaning(config), meaning(reference)
+        if mine != theirs:
+            if name == "sliding_window":
+                out.append(
+                    f"sliding_window={config.sliding_window}, full_attention_every={config.full_attention_every} "
+                    f"(reference: {reference.sliding_window}, {reference.full_attention_every})"
+                )
+            else:
+                out.append(f"{name}={mine!r} (reference: {theirs!r})")
+    return out
 
 
 # ---- GPTConfig -> config.json -----------------------------------------------------------------------------

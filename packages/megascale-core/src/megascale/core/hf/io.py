@@ -55,6 +55,7 @@ def _safetensors() -> ModuleType:
 class HFCheckpoint:
     """A Hugging Face model directory, opened lazily: its config, tensor names and shapes, and tensors (or
     slices of them) read on demand. Use as a context manager, or ``close()`` it, to release the files.
+    ``bytes_read`` counts the bytes ``read`` has returned so far (a slice counts its own size only).
 
     Raises (on opening):
         FileNotFoundError: naming what is missing: the directory, config.json, any safetensors, or a shard
@@ -72,6 +73,7 @@ class HFCheckpoint:
         self.config: dict[str, Any] = json.loads(config_file.read_text())
         self._file_of: dict[str, Path] = {}  # tensor name -> file
         self._open: dict[Path, Any] = {}
+        self.bytes_read = 0
         index = self.path / INDEX_FILE
         if index.is_file():
             weight_map = json.loads(index.read_text()).get("weight_map")
@@ -119,13 +121,22 @@ class HFCheckpoint:
         """A tensor's shape, from its file's header (no data read)."""
         return tuple(self._handle(self._file(name)).get_slice(name).get_shape())
 
+    def nbytes(self, name: str) -> int:
+        """A tensor's stored size in bytes, from its file's header (no data read)."""
+        info = self._handle(self._file(name)).get_slice(name)
+        numel = 1
+        for n in info.get_shape():
+            numel *= n
+        bits = re.search(r"\d+", info.get_dtype())  # "BF16" -> 16, "F8_E4M3" -> 8; "BOOL" has none: a byte
+        return numel * (int(bits.group()) // 8 if bits else 1)
+
     def read(self, name: str, index: Any = None) -> torch.Tensor:
         """A tensor, or only ``index`` of it (e.g. ``slice(0, 64)`` for its first 64 rows, or a tuple of
         slices), read from disk as stored (same dtype)."""
         handle = self._handle(self._file(name))
-        if index is None:
-            return handle.get_tensor(name)
-        return handle.get_slice(name)[index]
+        tensor = handle.get_tensor(name) if index is None else handle.get_slice(name)[index]
+        self.bytes_read += tensor.numel() * tensor.element_size()
+        return tensor
 
     def close(self) -> None:
         """Release the open files."""

@@ -21,7 +21,7 @@ import torch
 
 from megascale.core.config import GPTConfig
 
-__all__ = ["TensorMapping", "from_hf_tensors", "tensor_map", "to_hf_tensors"]
+__all__ = ["TensorMapping", "check_hf_tensors", "from_hf_tensors", "tensor_map", "to_hf_tensors"]
 
 # tensors some checkpoints carry that no model reads (transformers < 4.31 saved the rotary frequencies)
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -91,18 +91,15 @@ def tensor_map(config: GPTConfig) -> list[TensorMapping]:
     return out
 
 
-def from_hf_tensors(
-    config: GPTConfig,
-    names: Iterable[str],
-    shape_of: Callable[[str], tuple[int, ...]],
-    read: Callable[[str], torch.Tensor],
-) -> dict[str, torch.Tensor]:
-    """megascale's state dict from a Hugging Face checkpoint's tensors, checked before anything is read.
+def check_hf_tensors(
+    config: GPTConfig, names: Iterable[str], shape_of: Callable[[str], tuple[int, ...]]
+) -> list[TensorMapping]:
+    """``tensor_map(config)``, once the checkpoint's names and shapes (headers only, nothing read) are checked
+    against it.
 
     Args:
         names: the tensor names the checkpoint holds.
         shape_of: a tensor's shape without reading it.
-        read: a tensor's values.
 
     Raises:
         KeyError: naming the tensor, for one the config needs that the checkpoint lacks.
@@ -137,8 +134,28 @@ def from_hf_tensors(
             raise ValueError(
                 f"tensor {m.hf} has shape {list(shape)}, but config.json implies {list(m.hf_shape)}"
             )
+    return mapping
+
+
+def from_hf_tensors(
+    config: GPTConfig,
+    names: Iterable[str],
+    shape_of: Callable[[str], tuple[int, ...]],
+    read: Callable[[str], torch.Tensor],
+) -> dict[str, torch.Tensor]:
+    """megascale's state dict from a Hugging Face checkpoint's tensors, checked before anything is read
+    (``check_hf_tensors``).
+
+    Args:
+        names: the tensor names the checkpoint holds.
+        shape_of: a tensor's shape without reading it.
+        read: a tensor's values.
+
+    Raises:
+        KeyError, ValueError: as ``check_hf_tensors``.
+    """
     state: dict[str, torch.Tensor] = {}
-    for m in mapping:
+    for m in check_hf_tensors(config, names, shape_of):
         tensor = read(m.hf)
         state[m.megascale] = _pad_rows(tensor, config.padded_vocab_size) if m.vocab_rows else tensor
     if config.tie_embeddings:

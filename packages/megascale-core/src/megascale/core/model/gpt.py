@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from pathlib import Path
 from typing import cast
 
 import torch
@@ -71,13 +72,17 @@ class GPT(nn.Module):
 
     Built on the meta device (``with torch.device("meta")``), it allocates nothing; ``to_empty`` and
     ``init_weights`` then give exactly the weights a direct build gives under the same seed, also after the
-    model was split (tensor parallel, pipeline stages, FSDP).
+    model was split (tensor parallel, pipeline stages, FSDP). Set ``pretrained`` to a Hugging Face model
+    directory before that, and ``init_weights`` loads its weights instead, each rank reading only its part.
     """
 
     init_weights_handles_shards = True  # init_weights fills tensor-parallel shards itself, layout independent
     embed: TokenEmbedding | None  # None on pipeline ranks that hold no first stage
     head: LMHead | None  # None on pipeline ranks that hold no last stage
     sequence_multiple: int = 1  # sequence lengths must be multiples of this (sequence parallelism sets tp)
+    #: a Hugging Face model directory whose weights ``init_weights()`` loads instead of drawing random ones
+    #: (``megascale.core.hf.load_hf_weights_``); None: random weights from ``init_seed``
+    pretrained: str | Path | None = None
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -150,7 +155,9 @@ class GPT(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:
         """Normal(0, init_std) weights, output projections scaled by 1/sqrt(2·n_layers) (GPT-2), biases 0,
-        norm weights 1; rotary tables recomputed.
+        norm weights 1; rotary tables recomputed. With ``pretrained`` set, the weights of that Hugging Face
+        model directory instead, of which each rank reads only the slices it holds (no seed is used then:
+        giving one is an error).
 
         Every parameter draws from its own generator, seeded by ``seed`` and its name, so the values do not
         depend on the layout: a tensor-parallel shard, a pipeline stage holding some layers, or the whole
@@ -158,6 +165,16 @@ class GPT(nn.Module):
         ``init_seed``, drawn from the global RNG when the model was built (so ``torch.manual_seed`` decides as
         usual); a given seed replaces it.
         """
+        if self.pretrained is not None:
+            if seed is not None:
+                raise ValueError(
+                    f"init_weights(seed={seed}): this GPT loads its weights from {self.pretrained} (pretrained); "
+                    "set pretrained = None to draw random weights"
+                )
+            from megascale.core.hf.load import load_hf_weights_  # safetensors: only when loading
+
+            load_hf_weights_(self, self.pretrained)
+            return
         if seed is None:
             seed = self.init_seed
         self.init_seed = seed
