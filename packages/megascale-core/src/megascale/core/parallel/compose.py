@@ -115,9 +115,11 @@ class ParallelRuntime:
 
     def set_wait_timer(self, timer: WaitTimer) -> None:
         """Time the waits for other ranks (``wait_timer.py``): ZeRO-0/1's gradient reduction left after
-        backward and ZeRO-1's parameter gathers. (Pipeline receives, tensor-parallel collectives and FSDP2's
-        waits are not timed yet.)"""
+        backward, ZeRO-1's parameter gathers, the decoupled pipeline schedules' receives and sends.
+        (Tensor-parallel collectives, torch's GPipe schedule and FSDP2's waits are not timed yet.)"""
         self.zero.set_wait_timer(timer)
+        if self.pipeline is not None:
+            self.pipeline.set_wait_timer(timer)
 
     def checkpoint_layout(self) -> CheckpointLayout:
         partial = self.dims.pp > 1 or self.zero.checkpoint_partial

@@ -45,6 +45,7 @@ from megascale.core.parallel.pipeline_interleaved import (
 )
 from megascale.core.parallel.plan import SCHEDULES, ParallelPlan, split_blocks
 from megascale.core.parallel.rng import ModelParallelRNG
+from megascale.core.parallel.wait_timer import WaitTimer, untimed
 
 __all__ = [
     "SCHEDULES",
@@ -179,6 +180,8 @@ class Pipeline:
         #: False inside ``ParallelRuntime.no_sync`` (gradient accumulation over steps): the stages reduce no
         #: ZeRO-2/3 gradients (ZeRO-0/1 follow their own no_sync).
         self.sync_gradients = True
+        #: how the schedules' blocking receives and sends are timed (``wait_timer.py``)
+        self.wait_timer: WaitTimer = untimed
         # The schedule's backward runs on loss × loss_scale / num_microbatches. loss_scale: 1/steps under
         # gradient accumulation, as a trainer divides its loss. The 1/num_microbatches is ours, not torch's
         # scale_grads, which divides the whole .grad after the step — gradients accumulated by earlier
@@ -232,7 +235,14 @@ class Pipeline:
                 self._schedules[key] = _one_f_one_b()(stages[0], n, **kwargs)
             else:
                 self._schedules[key] = ScheduleGPipe(stages[0], n, **kwargs)
+            self._schedules[key].wait_timer = self.wait_timer  # torch's own schedules ignore it
         return self._schedules[key]
+
+    def set_wait_timer(self, timer: WaitTimer) -> None:
+        """Time the decoupled schedules' waits on receives and sends with ``timer``."""
+        self.wait_timer = timer
+        for schedule in self._schedules.values():
+            schedule.wait_timer = timer
 
     def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         # training only backpropagates through this; evaluation divides the scale back out of its losses

@@ -96,6 +96,8 @@ from torch.distributed.pipelining.schedules import (
 )
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
+from megascale.core.parallel.wait_timer import untimed
+
 __all__ = [
     "COMPUTE_KINDS",
     "ScheduleDecoupled1F1B",
@@ -381,11 +383,13 @@ class _SendQueue:
 
 
 def _timed_wait(works: list[dist.Work], schedule: _Recording, name: str, mb: int, stage: int) -> None:
-    """Wait for ``works``; the time blocked goes on the schedule's timeline (when recording) as ``name``."""
+    """Wait for ``works``; the time blocked goes on the schedule's timeline (when recording) as ``name``, and
+    through the schedule's ``wait_timer`` (set by the Pipeline; straggler detection) as "pipeline-<name>"."""
     tl = schedule.timeline
     start = tl.clock() if tl is not None else 0.0
-    for w in works:
-        w.wait()
+    with getattr(schedule, "wait_timer", untimed)(f"pipeline-{name.removeprefix('wait_')}"):
+        for w in works:
+            w.wait()
     if tl is not None:
         tl.record(name, start, tl.clock(), mb, stage)
 
