@@ -2,21 +2,24 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import os
+import shutil
 import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
+from dataclasses import asdict
 
 import pytest
 
-from megascale.ft.config import DriverAddress, Timeouts
+from megascale.ft.config import DriverAddress, Timeouts, TLSConfig
 from megascale.ft.executor import Executor, NonFiniteLossError
-from megascale.ft.heartbeat import Heartbeat, HeartbeatServer, post
+from megascale.ft.heartbeat import SIGNATURE, Heartbeat, HeartbeatServer, post, sign
 from megascale.ft.monitor import JobMonitor
 
 TOKEN = "0123456789abcdef0123"
@@ -44,7 +47,8 @@ def test_a_wrong_or_missing_token_is_refused_and_logged(server, token, caplog):
     assert refused.value.code == 401
     assert server.received == [] and server.refused == 1
     assert (
-        "refused a POST /heartbeat from 127.0.0.1" in caplog.text and "wrong or missing token" in caplog.text
+        "refused a POST /heartbeat from 127.0.0.1" in caplog.text
+        and "bad or missing signature" in caplog.text
     )
     status = urllib.request.Request(f"{server.url}/status", headers={"Authorization": f"Bearer {token}"})
     with pytest.raises(urllib.error.HTTPError):
@@ -235,3 +239,74 @@ def test_outside_the_launcher_the_executor_is_inert(monkeypatch):
     with Executor.from_env() as executor:
         assert not executor.enabled
         executor.step_done(0, 1.0)
+
+
+def _signed(body: dict, token: str = TOKEN) -> urllib.request.Request:
+    data = json.dumps(body).encode()
+    return urllib.request.Request(
+        "http://unused/heartbeat",
+        data=data,
+        method="POST",
+        headers={SIGNATURE: sign(token, data), "Content-Type": "application/json"},
+    )
+
+
+def _send(server, request: urllib.request.Request) -> int:
+    request.full_url = f"{server.url}/heartbeat"
+    try:
+        with urllib.request.urlopen(request, timeout=5) as response:
+            return response.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def test_a_replayed_or_stale_heartbeat_is_refused_and_logged(server, caplog):
+    """What an eavesdropper could do with a captured heartbeat: send it again (same sequence number), or
+    later (an old one, e.g. to a restarted driver). A forged one (edited after signing) fails the signature."""
+    caplog.set_level(logging.WARNING, logger="megascale.ft.heartbeat")
+    beat = {**asdict(Heartbeat(rank=1, step=5)), "seq": 7, "sent": time.time()}
+    assert _send(server, _signed(beat)) == 200
+    assert _send(server, _signed(beat)) == 409  # the same heartbeat again
+    assert _send(server, _signed({**beat, "seq": 6, "step": 6})) == 409  # an older number
+    assert _send(server, _signed({**beat, "seq": 8, "sent": time.time() - 3600})) == 409  # an hour old
+    forged = _signed({**beat, "seq": 9})
+    forged.data = json.dumps({**beat, "seq": 9, "step": 99}).encode()  # edited after signing
+    assert _send(server, forged) == 401
+    assert [b.step for b in server.received] == [5] and server.refused == 4
+    assert "replayed heartbeat of rank 1 (sequence 7)" in caplog.text and "stale heartbeat" in caplog.text
+    post(server.url, TOKEN, Heartbeat(rank=1, step=6), timeout=5)  # the sender's own next one goes through
+    assert [b.step for b in server.received] == [5, 6]
+
+
+def _self_signed(tmp_path) -> tuple[str, str]:
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is needed to make a test certificate")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+         "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    return str(cert), str(key)
+
+
+def test_heartbeats_over_tls_are_delivered_and_verified(tmp_path):
+    cert, key = _self_signed(tmp_path)
+    received: list[Heartbeat] = []
+    with HeartbeatServer(TOKEN, received.append, tls=TLSConfig(cert, key)) as tls_server:
+        assert tls_server.url.startswith("https://127.0.0.1:")
+        post(tls_server.url, TOKEN, Heartbeat(rank=2, step=1), timeout=5, cafile=cert)
+        assert [b.rank for b in received] == [2]
+        with pytest.raises(
+            urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"
+        ):  # an unknown certificate
+            post(tls_server.url, TOKEN, Heartbeat(rank=2, step=2), timeout=5)
+        # plain HTTP to a TLS server: refused by the handshake (how depends on timing: reset, or an error reply)
+        with pytest.raises((urllib.error.URLError, ConnectionError, http.client.HTTPException)):
+            post(tls_server.url.replace("https", "http"), TOKEN, Heartbeat(rank=2, step=3), timeout=5)
+    assert len(received) == 1
+
+
+def test_off_loopback_the_server_needs_tls():
+    with pytest.raises(ValueError, match="off loopback: give it a TLS certificate"):
+        HeartbeatServer(TOKEN, lambda beat: None, DriverAddress(host="0.0.0.0", allow_any=True))

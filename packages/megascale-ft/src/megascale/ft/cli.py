@@ -14,7 +14,7 @@ import os
 import sys
 from pathlib import Path
 
-from megascale.ft.config import DriverAddress, Timeouts
+from megascale.ft.config import DriverAddress, Timeouts, TLSConfig
 from megascale.ft.launcher import LaunchConfig, Launcher
 
 __all__ = ["main"]
@@ -39,6 +39,9 @@ def _parser() -> argparse.ArgumentParser:
     launch.add_argument("--host", default=DriverAddress().host, help="heartbeat server address (loopback)")
     launch.add_argument("--port", type=int, default=0, help="heartbeat server port (0: a free one)")
     launch.add_argument("--token-file", type=Path, help="file holding the heartbeat token")
+    launch.add_argument("--tls-cert", help="PEM certificate of the heartbeat server (required off loopback)")
+    launch.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    launch.add_argument("--tls-ca", help="what ranks verify the certificate with (default: the certificate)")
     launch.add_argument("--no-self-check", action="store_true", help="skip the self-checks before attempts")
     launch.add_argument("--self-check-timeout", type=float, default=d.self_check_timeout)
     launch.add_argument("--storage", help="checkpoint storage URL the self-check probes")
@@ -47,6 +50,14 @@ def _parser() -> argparse.ArgumentParser:
     launch.add_argument("-v", "--verbose", action="store_true")
     launch.add_argument("training", nargs=argparse.REMAINDER, metavar="-- COMMAND")
     return parser
+
+
+def _tls(args: argparse.Namespace) -> TLSConfig | None:
+    if args.tls_cert is None and args.tls_key is None:
+        return None
+    if args.tls_cert is None or args.tls_key is None:
+        raise ValueError("--tls-cert and --tls-key go together")
+    return TLSConfig(args.tls_cert, args.tls_key, args.tls_ca)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
                               args.startup_timeout),
             address=DriverAddress(args.host, args.port), token=token, self_check=not args.no_self_check,
             self_check_timeout=args.self_check_timeout, storage=args.storage, run_dir=args.run_dir,
-            straggler_threshold=args.straggler_threshold,
+            straggler_threshold=args.straggler_threshold, tls=_tls(args),
         )  # fmt: skip
         launcher = Launcher(command, config)
         if not command:

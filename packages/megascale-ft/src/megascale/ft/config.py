@@ -8,7 +8,7 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass, field
 
-__all__ = ["DriverAddress", "Timeouts"]
+__all__ = ["DriverAddress", "TLSConfig", "Timeouts"]
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,20 @@ class Timeouts:
             raise ValueError(
                 f"startup_timeout ({self.startup_timeout} s) must be at least hang_timeout ({self.hang_timeout} s)"
             )
+
+
+@dataclass(frozen=True)
+class TLSConfig:
+    """The driver's TLS certificate and key (PEM files), for heartbeats that cross the network; ranks verify
+    the certificate against ``cafile`` (default: the certificate itself, for a self-signed one)."""
+
+    certfile: str
+    keyfile: str
+    cafile: str | None = None
+
+    @property
+    def verify_with(self) -> str:
+        return self.cafile or self.certfile
 
 
 @dataclass(frozen=True)

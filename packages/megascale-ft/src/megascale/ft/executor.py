@@ -35,6 +35,7 @@ ENV = {
     "attempt": "MEGASCALE_FT_ATTEMPT",
     "heartbeat_interval": "MEGASCALE_FT_HEARTBEAT_INTERVAL",
     "hang_timeout": "MEGASCALE_FT_HANG_TIMEOUT",
+    "cafile": "MEGASCALE_FT_CAFILE",
     "collective_timeout": "MEGASCALE_FT_COLLECTIVE_TIMEOUT",
 }
 
@@ -60,6 +61,7 @@ class Executor:
         token: the shared secret.
         timeouts: the job's `Timeouts` (its ``collective_timeout`` is what to give ``init_process_group``).
         attempt: 0 for the first start, n after the n-th restart.
+        cafile: the certificate an ``https`` driver is verified against (the launcher's TLS setting).
     """
 
     def __init__(
@@ -69,6 +71,7 @@ class Executor:
         token: str = "",
         timeouts: Timeouts | None = None,
         attempt: int = 0,
+        cafile: str | None = None,
     ) -> None:
         self.rank, self.url, self.attempt = rank, url, attempt
         self.timeouts = timeouts or Timeouts()
@@ -77,7 +80,9 @@ class Executor:
         self._beat = Heartbeat(rank=rank, attempt=attempt)
         self._sender = None
         if url is not None:
-            self._sender = HeartbeatSender(url, token, self.timeouts.heartbeat_interval, self._snapshot)
+            self._sender = HeartbeatSender(
+                url, token, self.timeouts.heartbeat_interval, self._snapshot, cafile=cafile
+            )
 
     @classmethod
     def from_env(cls) -> Executor:
@@ -100,7 +105,8 @@ class Executor:
         from megascale.ft.stacks import arm_stack_dump
 
         arm_stack_dump(rank)  # the driver asks for every rank's stacks before it kills a hung job
-        return cls(rank, url, token, timeouts, int(os.environ.get(ENV["attempt"], "0")))
+        return cls(rank, url, token, timeouts, int(os.environ.get(ENV["attempt"], "0")),
+                   cafile=os.environ.get(ENV["cafile"]))  # fmt: skip
 
     @property
     def enabled(self) -> bool:

@@ -1,21 +1,30 @@
-"""Heartbeat transport: ranks POST JSON to the driver's HTTP server, which requires a shared token.
+"""Heartbeat transport: ranks POST JSON to the driver's HTTP(S) server; every heartbeat is signed with a
+shared token and numbered, so forged and replayed ones are refused.
 
 Why HTTP (stdlib ``http.server`` / ``urllib``) rather than torch's ``TCPStore``: the store has no notion of
-a client's identity or a secret, so anyone who reaches its port could write into it; an HTTP request
-carries a bearer token the server checks in constant time, and a refused request is logged with its
-peer address. It also keeps the driver free of torch.
+a client's identity or a secret, so anyone who reaches its port could write into it. Here each heartbeat's
+body carries the sender's sequence number and send time, and its ``X-Megascale-Signature`` header is the
+HMAC-SHA256 of the body under the token (checked in constant time; the token itself never travels). The
+server refuses, and logs with the peer's address, a bad signature (forged, or another job's token), a
+sequence number not above the last one from that process (replayed), and a send time older than
+``max_age`` (replayed later, e.g. to a restarted driver). Across nodes the heartbeats leave loopback: the
+server then also needs TLS (stdlib ``ssl``, a certificate and key; ranks verify it against a CA file), so
+nobody on the path reads the job's state either. It also keeps the driver free of torch.
 
-Wire format: ``POST /heartbeat`` with ``Authorization: Bearer <token>`` and a JSON object (see
-`Heartbeat`). ``GET /status`` (same token) returns the latest heartbeat of every rank.
+Wire format: ``POST /heartbeat`` with the signature header and a JSON object (see `Heartbeat`).
+``GET /status`` (``Authorization: Bearer <token>``) returns the latest heartbeat of every rank.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
+import ipaddress
 import json
 import logging
 import os
 import socket
+import ssl
 import threading
 import time
 import urllib.error
@@ -25,13 +34,19 @@ from dataclasses import asdict, dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from megascale.ft.config import DriverAddress
+from megascale.ft.config import DriverAddress, TLSConfig
 
 __all__ = ["Heartbeat", "HeartbeatSender", "HeartbeatServer"]
 
 log = logging.getLogger(__name__)
 
 MAX_BODY = 4 << 20  # timings of a few hundred steps fit; anything larger is not a heartbeat
+SIGNATURE = "X-Megascale-Signature"
+
+
+def sign(token: str, body: bytes) -> str:
+    """The signature header's value: HMAC-SHA256 of ``body`` under ``token``."""
+    return "sha256=" + hmac.new(token.encode(), body, hashlib.sha256).hexdigest()
 
 
 @dataclass
@@ -59,6 +74,7 @@ class Heartbeat:
     device_memory: int | None = None
     events: list[dict[str, Any]] = field(default_factory=list)
     sent: float = 0.0
+    seq: int = 0  # per sending process, increasing: a repeated or older number is a replay
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Heartbeat:
@@ -77,13 +93,30 @@ class _Handler(BaseHTTPRequestHandler):
         expected = f"Bearer {self.server.token}"
         if hmac.compare_digest(given.encode(), expected.encode()):
             return True
+        return self._refuse(401, "wrong or missing token")
+
+    def _refuse(self, code: int, why: str) -> bool:
         self.server.refused += 1
         log.warning(
-            "heartbeat server: refused a %s %s from %s:%s (wrong or missing token)",
-            self.command, self.path, *self.client_address[:2],
+            "heartbeat server: refused a %s %s from %s:%s (%s)", self.command, self.path,
+            *self.client_address[:2], why,
         )  # fmt: skip
-        self._reply(401, {"error": "wrong or missing token"})
+        self._reply(code, {"error": why})
         return False
+
+    def _fresh(self, beat: Heartbeat) -> bool:
+        """Not a replay: a sequence number above the last from this process, sent within ``max_age``."""
+        age = time.time() - beat.sent
+        if not -self.server.max_age < age < self.server.max_age:
+            return self._refuse(
+                409, f"replayed or stale heartbeat of rank {beat.rank} (sent {age:.0f} s ago)"
+            )
+        key = (beat.rank, beat.host, beat.pid)
+        with self.server.seq_lock:
+            if beat.seq <= self.server.last_seq.get(key, 0):
+                return self._refuse(409, f"replayed heartbeat of rank {beat.rank} (sequence {beat.seq})")
+            self.server.last_seq[key] = beat.seq
+        return True
 
     def _reply(self, code: int, body: dict[str, Any]) -> None:
         data = json.dumps(body).encode()
@@ -94,8 +127,6 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def do_POST(self) -> None:
-        if not self._authorized():
-            return
         if self.path != "/heartbeat":
             self._reply(404, {"error": f"no {self.path}"})
             return
@@ -103,10 +134,17 @@ class _Handler(BaseHTTPRequestHandler):
         if not 0 < length <= MAX_BODY:
             self._reply(413, {"error": f"body of {length} bytes"})
             return
+        body = self.rfile.read(length)
+        given = self.headers.get(SIGNATURE, "")
+        if not hmac.compare_digest(given.encode(), sign(self.server.token, body).encode()):
+            self._refuse(401, "bad or missing signature (forged, or another job's token)")
+            return
         try:
-            beat = Heartbeat.from_json(json.loads(self.rfile.read(length)))
+            beat = Heartbeat.from_json(json.loads(body))
         except (ValueError, TypeError) as e:
             self._reply(400, {"error": str(e)})
+            return
+        if not self._fresh(beat):
             return
         self.server.deliver(beat)
         self._reply(200, {"ok": True})
@@ -127,6 +165,9 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
     token: str
     refused: int
+    max_age: float
+    seq_lock: threading.Lock
+    last_seq: dict[tuple[int, str, int], int]
     latest: dict[int, Heartbeat]
     deliver: Callable[[Heartbeat], None]
 
@@ -135,9 +176,13 @@ class HeartbeatServer:
     """The driver's end: receives heartbeats on ``address`` and hands each to ``on_heartbeat``.
 
     Args:
-        token: the shared secret every request must carry (at least 16 characters).
+        token: the shared secret heartbeats are signed with (at least 16 characters).
         on_heartbeat: called on a server thread for every accepted heartbeat.
         address: where to listen (loopback by default).
+        tls: certificate and key to serve HTTPS with; required unless the address is loopback (heartbeats
+            that leave the machine are encrypted as well as signed).
+        max_age: seconds after which a heartbeat counts as replayed (clocks of the nodes must agree to
+            within this).
     """
 
     def __init__(
@@ -145,14 +190,28 @@ class HeartbeatServer:
         token: str,
         on_heartbeat: Callable[[Heartbeat], None],
         address: DriverAddress | None = None,
+        tls: TLSConfig | None = None,
+        max_age: float = 120.0,
     ) -> None:
         if len(token) < 16:
             raise ValueError("the heartbeat token must have at least 16 characters (use secrets.token_hex())")
         address = address or DriverAddress()
+        if tls is None and not _is_loopback(address.host):
+            raise ValueError(
+                f"the heartbeat server binds {address.host}, off loopback: give it a TLS certificate and key "
+                "(--tls-cert/--tls-key) so heartbeats that cross the network are encrypted as well as signed"
+            )
         family = socket.AF_INET6 if ":" in address.host else socket.AF_INET
         server_class = type("_BoundServer", (_Server,), {"address_family": family})
         self._server: _Server = server_class((address.host, address.port), _Handler)
+        self.tls = tls
+        if tls is not None:
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.minimum_version = ssl.TLSVersion.TLSv1_2
+            context.load_cert_chain(tls.certfile, tls.keyfile)
+            self._server.socket = context.wrap_socket(self._server.socket, server_side=True)
         self._server.token, self._server.refused, self._server.latest = token, 0, {}
+        self._server.max_age, self._server.seq_lock, self._server.last_seq = max_age, threading.Lock(), {}
         lock = threading.Lock()
 
         def deliver(beat: Heartbeat) -> None:
@@ -178,7 +237,7 @@ class HeartbeatServer:
     @property
     def url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return f"{'https' if self.tls is not None else 'http'}://{host}:{self.port}"
 
     def beats(self) -> list[Heartbeat]:
         """The latest heartbeat of every rank heard from since `forget`."""
@@ -205,14 +264,33 @@ class HeartbeatServer:
         self.close()
 
 
-def post(url: str, token: str, beat: Heartbeat, timeout: float) -> None:
-    """Send one heartbeat; raises ``urllib.error.URLError``/``HTTPError`` when it is not accepted."""
-    beat.sent = time.time()
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+_SEQ = iter(
+    range(1, 1 << 62)
+)  # this process's heartbeat numbers (several senders share it: still increasing)
+_SEQ_LOCK = threading.Lock()
+
+
+def post(url: str, token: str, beat: Heartbeat, timeout: float, cafile: str | None = None) -> None:
+    """Send one heartbeat, numbered and signed; raises ``urllib.error.URLError``/``HTTPError`` when it is
+    not accepted. ``cafile``: the certificate (or CA) an ``https`` driver is verified against."""
+    with _SEQ_LOCK:
+        beat.seq, beat.sent = next(_SEQ), time.time()
+        body = json.dumps(asdict(beat)).encode()
     request = urllib.request.Request(
-        f"{url}/heartbeat", data=json.dumps(asdict(beat)).encode(), method="POST",
-        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+        f"{url}/heartbeat", data=body, method="POST",
+        headers={SIGNATURE: sign(token, body), "Content-Type": "application/json"},
     )  # fmt: skip
-    with urllib.request.urlopen(request, timeout=timeout) as response:
+    context = ssl.create_default_context(cafile=cafile) if url.startswith("https:") else None
+    with urllib.request.urlopen(request, timeout=timeout, context=context) as response:
         response.read()
 
 
@@ -224,8 +302,16 @@ class HeartbeatSender:
     briefly unreachable (the driver notices missing heartbeats instead).
     """
 
-    def __init__(self, url: str, token: str, interval: float, snapshot: Callable[[], Heartbeat]) -> None:
+    def __init__(
+        self,
+        url: str,
+        token: str,
+        interval: float,
+        snapshot: Callable[[], Heartbeat],
+        cafile: str | None = None,
+    ) -> None:
         self.url, self._token, self.interval, self._snapshot = url, token, interval, snapshot
+        self.cafile = cafile
         self._stop = threading.Event()
         self._send_lock = threading.Lock()
         self._warned = False
@@ -238,7 +324,8 @@ class HeartbeatSender:
         """Send one heartbeat (``snapshot()`` by default) now; True when the driver accepted it."""
         with self._send_lock:  # one request at a time keeps heartbeats in order
             try:
-                post(self.url, self._token, beat or self._snapshot(), timeout=max(self.interval, 1.0))
+                post(self.url, self._token, beat or self._snapshot(), timeout=max(self.interval, 1.0),
+                     cafile=self.cafile)  # fmt: skip
                 return True
             except (OSError, urllib.error.URLError) as e:
                 if not self._warned:

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from megascale.ft._procs import kill_tree
-from megascale.ft.config import DriverAddress, Timeouts
+from megascale.ft.config import DriverAddress, Timeouts, TLSConfig
 from megascale.ft.executor import ENV
 from megascale.ft.heartbeat import HeartbeatServer
 from megascale.ft.monitor import Fault, JobMonitor
@@ -61,6 +61,8 @@ class LaunchConfig:
         storage: checkpoint storage URL the self-check probes (also given to the job as MEGASCALE_FT_STORAGE).
         run_dir: where the report, self-check reports, logs and timeline pictures go.
         straggler_threshold: flag ranks whose compute per step exceeds this multiple of the median.
+        tls: the heartbeat server's certificate and key; required when ``address`` is not loopback (the
+            ranks verify the certificate against ``tls.cafile``, default the certificate itself).
     """
 
     nproc_per_node: int = 1
@@ -74,6 +76,7 @@ class LaunchConfig:
     storage: str | None = None
     run_dir: str = "megascale-ft-run"
     straggler_threshold: float = 1.2
+    tls: TLSConfig | None = None
 
     def __post_init__(self) -> None:
         if self.nproc_per_node < 1:
@@ -149,6 +152,8 @@ class Launcher:
         if self.config.storage:
             env["MEGASCALE_FT_STORAGE"] = self.config.storage
         env[STACKS_ENV] = str(self._stacks_dir(attempt))
+        if self.config.tls is not None:
+            env[ENV["cafile"]] = self.config.tls.verify_with
         return env
 
     def _stacks_dir(self, attempt: int) -> Path:
@@ -259,7 +264,7 @@ class Launcher:
             if self.monitor is not None:
                 self.monitor.on_heartbeat(beat)
 
-        with HeartbeatServer(self.token, on_heartbeat, self.config.address) as server:
+        with HeartbeatServer(self.token, on_heartbeat, self.config.address, tls=self.config.tls) as server:
             log.info("heartbeat server on %s (token required)", server.url)
             for attempt in range(self.config.max_restarts + 1):
                 started = time.time()
