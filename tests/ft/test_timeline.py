@@ -299,3 +299,20 @@ def test_driver_modules_import_neither_torch_nor_matplotlib() -> None:
         "assert not heavy, heavy"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_rows_are_grouped_by_stage_tensor_rank_and_replica(tmp_path):
+    from megascale.ft.timeline import coordinate_order, write_chrome_trace
+
+    # dp2 × pp2 × tp2 in torch's rank order (dp outermost): row order stage by stage, then tp, then dp
+    coords = {r: {"dp": r // 4, "pp": (r // 2) % 2, "tp": r % 2} for r in range(8)}
+    order = coordinate_order(coords)
+    assert order == [0, 4, 1, 5, 2, 6, 3, 7]
+    events = {r: [{"name": "step", "step": 0, "start": 100.0 + r, "dur": 1.0}] for r in range(8)}
+    path = tmp_path / "trace.json"
+    write_chrome_trace(events, path, order=order)
+    import json
+
+    sort = {e["pid"]: e["args"]["sort_index"] for e in json.loads(path.read_text())["traceEvents"]
+            if e.get("name") == "process_sort_index"}  # fmt: skip
+    assert sorted(sort, key=sort.get) == order

@@ -79,6 +79,9 @@ def test_a_slow_rank_is_named_a_straggler_while_its_peers_wait(
     assert report["ok"]
     trace = json.loads((tmp_path / "slow" / "run" / "timeline.json").read_text())
     assert any(str(e.get("name", "")).startswith(wait) for e in trace["traceEvents"]), f"no {wait} sections"
+    # rows labelled with each rank's parallel coordinates, grouped by stage, tp rank, dp replica
+    names = [e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "process_name"]
+    assert all(" pp" in n and " tp" in n and "dp" in n for n in names), names
     assert _stragglers(tmp_path / "slow") == [slow]
     launch_fit(tmp_path / "clean", SCRIPT, *args, "--steps", "12", ranks=ranks)
     assert _stragglers(tmp_path / "clean") == []

@@ -144,6 +144,12 @@ class Executor:
                 f"rank {self.rank}: {message}; the driver restarts from the last good checkpoint"
             )
 
+    def set_coords(self, coords: dict[str, int]) -> None:
+        """This rank's parallel coordinates (``{"dp": .., "pp": .., "tp": ..}``), sent with the heartbeats:
+        the driver's timeline groups its rows by them."""
+        with self._lock:
+            self._beat.coords = {str(k): int(v) for k, v in coords.items()}
+
     def touch(self) -> None:
         """Show progress outside training steps (call it per validation batch, or while loading): without
         it, work longer than the hang timeout between two steps looks like a hang to the driver."""

@@ -75,6 +75,7 @@ class Heartbeat:
     events: list[dict[str, Any]] = field(default_factory=list)
     sent: float = 0.0
     seq: int = 0  # per sending process, increasing: a repeated or older number is a replay
+    coords: dict[str, int] | None = None  # this rank's parallel coordinates ({"dp": 0, "pp": 1, "tp": 0})
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Heartbeat:

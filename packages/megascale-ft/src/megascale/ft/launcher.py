@@ -317,18 +317,23 @@ def _write_timeline(run_dir: Path, monitors: list[JobMonitor], threshold: float)
 
     events: dict[int, list[dict[str, Any]]] = {}
     hosts: dict[int, str] = {}
+    coords: dict[int, dict[str, int]] = {}
     for monitor in monitors:
         for rank, evs in monitor.timings().items():
             events.setdefault(rank, []).extend(evs)
         hosts.update(monitor.hosts)
+        coords.update(monitor.coords)
+    order = timeline.coordinate_order(coords)
     if not any(events.values()):
         return
     flagged = stragglers.find_stragglers(events, threshold=threshold, hosts=hosts)
     for s in flagged:
         log.warning("straggler: %s", s)
-    timeline.write_chrome_trace(events, run_dir / "timeline.json", hosts=hosts, stragglers=flagged)
+    timeline.write_chrome_trace(
+        events, run_dir / "timeline.json", hosts=hosts, stragglers=flagged, order=order
+    )
     try:
-        timeline.plot_timeline(events, run_dir / "timeline.png", hosts=hosts)
-        timeline.plot_step_heatmap(events, run_dir / "step_times.png", hosts=hosts)
+        timeline.plot_timeline(events, run_dir / "timeline.png", hosts=hosts, order=order)
+        timeline.plot_step_heatmap(events, run_dir / "step_times.png", hosts=hosts, order=order)
     except ImportError as e:
         log.info("no timeline pictures: %s", e)

@@ -172,6 +172,9 @@ class FaultTolerance(Callback):
             # gathers) become "wait/<kind>" sections: compute = step - waits then names a slow rank
             timer = self.executor.timer
             set_wait_timer(lambda kind: timer.section(f"wait/{kind}"))
+        coords = _parallel_coords(trainer.strategy)
+        if coords and self.executor is not None:
+            self.executor.set_coords(coords)  # the driver's timeline groups rows by (pp, tp, dp)
         step = self.checkpointer.latest()
         if step is not None:
             self._restore(trainer, pl_module, step)
@@ -362,6 +365,18 @@ def _check_strategy(strategy: Strategy) -> None:
             "and megascale's MegaScaleStrategy runs (or any strategy with sharded_state_dict() and "
             "load_sharded_state_dict()); use ModelCheckpoint with this strategy's own checkpoint format"
         )
+
+
+def _parallel_coords(strategy: Any) -> dict[str, int] | None:
+    """This rank's coordinate on each named dimension of the strategy's device mesh (MegaScaleStrategy:
+    dp, pp, tp), or None."""
+    try:
+        mesh = getattr(strategy, "device_mesh", None)
+    except RuntimeError:  # a strategy whose mesh is not set up
+        return None
+    names = getattr(mesh, "mesh_dim_names", None)
+    coordinate = mesh.get_coordinate() if mesh is not None and names else None
+    return dict(zip(names, coordinate)) if names and coordinate is not None else None
 
 
 def _load_layout(strategy: Strategy) -> tuple[bool, dist.ProcessGroup | None]:

@@ -84,6 +84,7 @@ class JobMonitor:
         self._lock = threading.Lock()
         self.events: dict[int, list[dict[str, Any]]] = {}
         self.hosts: dict[int, str] = {}
+        self.coords: dict[int, dict[str, int]] = {}
 
     def on_heartbeat(self, beat: Heartbeat) -> None:
         now = self.clock()
@@ -98,6 +99,10 @@ class JobMonitor:
             done = beat.step >= 0 or (prev is not None and prev.first_step_done)
             self._ranks[beat.rank] = _Rank(beat, now, progressed, done)
             self.hosts[beat.rank] = beat.host
+            if beat.coords:
+                self.coords[beat.rank] = dict(beat.coords)
+                where = " ".join(f"{k}{v}" for k, v in sorted(beat.coords.items()))
+                self.hosts[beat.rank] = f"{where}, {beat.host}"  # labels a timeline row
             if beat.events:
                 kept = self.events.setdefault(beat.rank, [])
                 kept.extend(beat.events)

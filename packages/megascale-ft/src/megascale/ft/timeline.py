@@ -21,7 +21,7 @@ from typing import IO, Any
 
 from megascale.ft.stragglers import Event, Straggler, WaitPredicate, is_wait, step_timings
 
-__all__ = ["plot_step_heatmap", "plot_timeline", "write_chrome_trace"]
+__all__ = ["coordinate_order", "plot_step_heatmap", "plot_timeline", "write_chrome_trace"]
 
 _PLOTS_HINT = "pip install 'megascale-ft[plots]'"
 
@@ -33,6 +33,7 @@ def write_chrome_trace(
     hosts: Mapping[int, str] | None = None,
     stragglers: Sequence[Straggler] = (),
     waits: WaitPredicate | None = None,
+    order: Sequence[int] | None = None,
 ) -> None:
     """Write all ranks' events as one Chrome trace (open it in https://ui.perfetto.dev or chrome://tracing).
 
@@ -46,9 +47,9 @@ def write_chrome_trace(
     t0 = min(starts, default=0.0)
     trace: list[dict[str, Any]] = []
     ends: dict[int, float] = {}
-    for rank in sorted(events):
+    for index, rank in enumerate(_ordered(events, order)):
         trace.append(_meta("process_name", rank, name=_label(rank, hosts)))
-        trace.append(_meta("process_sort_index", rank, sort_index=rank))
+        trace.append(_meta("process_sort_index", rank, sort_index=index))
         trace.append(_meta("thread_name", rank, name="steps"))
         for event, ts, dur in _nested(events[rank], t0):
             name = str(event["name"])
@@ -97,6 +98,7 @@ def plot_timeline(
     last_steps: int | None = 10,
     title: str | None = None,
     waits: WaitPredicate | None = None,
+    order: Sequence[int] | None = None,
 ) -> None:
     """Draw a PNG timeline: x = time (s), y = rank, one bar per section coloured by name.
 
@@ -114,7 +116,7 @@ def plot_timeline(
     waits = waits or is_wait
     if not any(events.values()):
         raise ValueError("plot_timeline: no timing events to draw (no rank has any event)")
-    ranks = sorted(events)
+    ranks = _ordered(events, order)
     steps = _step_numbers(events)
     shown = {rank: _last_steps(events[rank], steps, last_steps) for rank in ranks}
     t0 = min((float(e["start"]) for evs in shown.values() for e in evs), default=0.0)
@@ -179,6 +181,7 @@ def plot_step_heatmap(
     hosts: Mapping[int, str] | None = None,
     title: str | None = None,
     waits: WaitPredicate | None = None,
+    order: Sequence[int] | None = None,
 ) -> None:
     """Draw a PNG heatmap: rows = ranks, columns = steps, colour = step compute time (s).
 
@@ -194,7 +197,7 @@ def plot_step_heatmap(
     from matplotlib import colormaps
     from matplotlib.ticker import FuncFormatter, MaxNLocator
 
-    ranks = sorted(events)
+    ranks = _ordered(events, order)
     compute = {rank: {t.step: t.compute for t in step_timings(events[rank], waits=waits)} for rank in ranks}
     steps = sorted({step for per_step in compute.values() for step in per_step})
     if not steps:
@@ -227,6 +230,19 @@ def _matplotlib() -> tuple[Any, Any]:
     except ImportError as err:
         raise ImportError(f"plotting needs matplotlib: {_PLOTS_HINT}") from err
     return Figure, FigureCanvasAgg
+
+
+def _ordered(events: Mapping[int, Any], order: Sequence[int] | None) -> list[int]:
+    """The ranks with events, in ``order`` (rows grouped by parallel coordinates) and then by number."""
+    first = [r for r in (order or ()) if r in events]
+    return first + sorted(set(events) - set(first))
+
+
+def coordinate_order(coords: Mapping[int, Mapping[str, int]]) -> list[int]:
+    """Ranks grouped as a 3D-parallel job reads best: by pipeline stage, then tensor-parallel rank, then
+    data-parallel replica (ranks without coordinates last)."""
+    key = ("pp", "tp", "dp")
+    return sorted(coords, key=lambda r: (*(coords[r].get(k, 0) for k in key), r))
 
 
 def _label(rank: int, hosts: Mapping[int, str] | None) -> str:
