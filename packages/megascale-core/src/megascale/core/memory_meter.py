@@ -23,8 +23,9 @@ What they do not see:
 
 - ``SavedTensorMeter``: tensors held for backward other than through saved-tensor slots (attributes a custom
   ``autograd.Function`` stashes on ``ctx``; the inputs activation checkpointing keeps for recomputation — inside
-  a checkpointed region its own hooks replace this meter's); outputs and other live tensors that nothing saved;
-  tensors saved under an inner ``saved_tensors_hooks`` (CPU offloading, checkpointing).
+  a checkpointed region its own hooks replace this meter's; ``hold`` counts such tensors by hand); outputs and
+  other live tensors that nothing saved; tensors saved under an inner ``saved_tensors_hooks`` (CPU offloading,
+  checkpointing).
 - ``LiveTensorMeter``: storages allocated before the meter was entered (parameters, gradients that already
   exist and are accumulated into in place, optimizer state, the receive buffers a pipeline stage preallocates
   at its first step) and ops that write into them or resize them; storages created outside the dispatcher (by C++ code that
@@ -163,6 +164,12 @@ class SavedTensorMeter(_Meter):
                 if entry[0] == 0:
                     del self._refs[key]
                     self._sub(entry[1])
+
+    def hold(self, tensor: torch.Tensor) -> object:
+        """Count ``tensor`` as kept for backward by other means than a saved-tensor slot (what activation
+        checkpointing keeps to recompute from) until the returned handle is dropped; shares the per-storage
+        count with the saved tensors."""
+        return self._pack(tensor)
 
     @property
     def storages(self) -> int:

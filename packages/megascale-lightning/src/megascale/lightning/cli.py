@@ -8,6 +8,7 @@
 #     megascale convert CHECKPOINT_DIR model.pt             # a checkpoint → one plain file for inference
 #     megascale convert --from-hf HF_DIR model.pt           # a Hugging Face model → that file
 #     megascale convert --to-hf model.pt HF_DIR --model-type qwen2   # that file (or a checkpoint) → Hugging Face
+#     megascale plan --model gpt3-175b --gpus 1024 --gpu a100 --global-batch 1536   # rank layouts (core's planner)
 #
 # Choices where the brief left room:
 # - `--config NAME` falls back to the shipped config of that name when no file NAME exists, so the examples
@@ -125,7 +126,8 @@ def main(args: ArgsType = None) -> None:
     """Run the CLI on ``args`` (default: the command line).
 
     ``megascale configs`` lists the shipped configs; ``megascale convert CKPT OUT`` writes a checkpoint's
-    model as one plain file (``--from-hf``/``--to-hf``: from and to Hugging Face); anything else goes to
+    model as one plain file (``--from-hf``/``--to-hf``: from and to Hugging Face); ``megascale plan`` ranks
+    parallel layouts by predicted memory and speed (``megascale.core.plan.cli``); anything else goes to
     LightningCLI (subcommands fit, validate, test, predict).
     """
     argv = sys.argv[1:] if args is None else args
@@ -135,6 +137,10 @@ def main(args: ArgsType = None) -> None:
     if isinstance(argv, list) and argv[:1] == ["convert"]:
         _convert([str(a) for a in argv[1:]])
         return
+    if isinstance(argv, list) and argv[:1] == ["plan"]:
+        from megascale.core.plan.cli import main as plan
+
+        raise SystemExit(plan([str(a) for a in argv[1:]]))
     if isinstance(argv, list):
         resolved = _resolve_configs(argv)
         if args is None:

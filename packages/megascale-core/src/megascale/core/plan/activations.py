@@ -1,0 +1,279 @@
+"""Bytes a megascale GPT saves for backward, per microbatch and layer, on one rank of a layout.
+
+The terms are Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", arXiv
+2205.05198, §4: activations per layer with tensor and sequence parallelism, with and without selective
+recomputation), taken tensor by tensor from what megascale's code saves, so that they can be checked exactly
+against ``torch.autograd.graph.saved_tensors_hooks`` (``tests/core/plan``). With N = b·s tokens of a
+microbatch, Nr = N/tp under sequence parallelism (else N), D the width, F the MLP width, H/KV the query/key
+heads of width hd, t = tp, C the matmul dtype's bytes and R the residual stream's:
+
+    block input (saved by the first norm)        Nr·D·R   (an fp32 copy, Nr·D·4, with the torch norm)
+    norm statistics / normalised rows (torch)    Nr·4 per statistic; RMSNorm also Nr·D·4
+    each matmul input (one per input tensor)     Nr·D·C   (the shard under SP: re-gathered in backward)
+    q, k, v after rotary; attention output       N·(H + 2·KV)·hd/t·C;  N·H·hd/t·C
+    log-sum-exp (flash/SDPA)                     b·H/t·s·4
+    unfused attention (Megatron-LM)              b·H/t·s²·C (probabilities; ×2 + mask with dropout), no lse
+    unfused attention (torch reference)          3·N·H·hd/t·4 + b·H/t·s²·4 (probabilities; ×2 + mask with dropout)
+    MLP: gate and up (SwiGLU), silu (torch)      2·N·F/t·C (+ N·F/t·C); GeLU: its input N·F/t·C
+    MLP output (the down projection's input)     N·F/t·C
+    dropout masks                                Nr·D per site (1 byte, or C bytes on CPU)
+
+For GPT-3's block (sequential, GeLU, LayerNorm, fused kernels, 16-bit stream, dropout, Megatron-LM's unfused
+attention) the terms add up to Korthikanti's 34·s·b·h + 5·a·s²·b per layer (their equation 1) plus the norms'
+statistics, and with tp and SP everything divides by t (their equation 4): ``tests/core/plan`` checks it.
+Flash attention replaces the 5·a·s²·b (softmax, its dropout mask and output) by the log-sum-exp. Under
+autocast without tensor parallelism, each projection casts the normed input again (autocast caches only
+parameters' casts), and the bf16 copies of the weights are saved once per step (``weight_copies``).
+
+Checkpointing: "full" keeps only each block's input (Nr·D·R, equation 5's 2·s·b·h per layer) and recomputes
+the rest one block at a time in backward; "selective" recomputes the attention core (q/k norms, rotary,
+softmax), keeping its inputs q, k, v instead, which drops the quadratic terms (their §4.2). Embedding: the token
+ids (int64; with tp also a mask); head: the final norm, its matmul input and the loss's saved tensors (fp32
+log-softmax, the fused kernel's logits and log-sum-exp, or under tp the vocabulary-parallel loss's fp32
+softmax of its columns).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+from megascale.core.config import GPTConfig
+from megascale.core.plan.layout import Layout, Workload
+from megascale.core.plan.shapes import Stage, block_parameters
+
+__all__ = ["ActivationModel"]
+
+Terms = dict[str, float]
+
+
+@dataclass(frozen=True)
+class ActivationModel:
+    """Saved bytes per microbatch of each layer of ``workload.model`` on one rank of ``layout``."""
+
+    workload: Workload
+    layout: Layout
+
+    # ---- sizes -----------------------------------------------------------------------------------------
+
+    @property
+    def config(self) -> GPTConfig:
+        return self.workload.model
+
+    @property
+    def tokens(self) -> int:
+        """N: tokens of one microbatch."""
+        return self.layout.micro_batch_size * self.workload.seq_len
+
+    @property
+    def stream_tokens(self) -> float:
+        """Nr: tokens of the residual stream on this rank (split over tp under sequence parallelism)."""
+        p = self.layout.plan
+        return self.tokens / p.tp if p.tp > 1 and p.sequence_parallel else float(self.tokens)
+
+    @property
+    def compute_bytes(self) -> int:
+        """C: bytes per element of matmul operands."""
+        return self.workload.compute_bytes
+
+    @property
+    def residual_bytes(self) -> int:
+        """R: bytes per element of the residual stream."""
+        return self.workload.residual_bytes(self.layout.plan.zero_stage if self.layout.dp > 1 else 0)
+
+    def _mask(self, elements: float, dtype_bytes: int) -> float:
+        return elements * (1 if self.workload.kernels.dropout_mask == "bool" else dtype_bytes)
+
+    # ---- pieces ----------------------------------------------------------------------------------------
+
+    def _norm(self, rows: float, width: int, input_bytes: int, name: str) -> Terms:
+        """A norm over ``rows`` × ``width`` whose input has ``input_bytes`` per element."""
+        k = self.workload.kernels
+        stats = 2 if self.config.norm == "layernorm" else 1  # mean and rstd, or rstd
+        out = {f"{name}.input": rows * width * (4 if k.norm == "torch" else input_bytes)}
+        out[f"{name}.stats"] = rows * 4 * stats
+        if k.norm == "torch" and self.config.norm == "rmsnorm":
+            out[f"{name}.normalised"] = rows * width * 4
+        return out
+
+    def _attention_core(self, prefix: str) -> Terms:
+        """The attention core (q/k norms, rotary, softmax attention) on this rank's heads."""
+        cfg, p, c = self.config, self.layout.plan, self.compute_bytes
+        n, t, b, s = self.tokens, p.tp, self.layout.micro_batch_size, self.workload.seq_len
+        heads, kv, hd = cfg.n_heads / t, cfg.kv_heads / t, cfg.head_dim
+        out: Terms = {}
+        if cfg.qk_norm:
+            out.update(self._norm(n * heads, hd, c, f"{prefix}.q_norm"))
+            out.update(self._norm(n * kv, hd, c, f"{prefix}.k_norm"))
+        if self.workload.kernels.attention == "flash":
+            out[f"{prefix}.qkv"] = n * (heads + 2 * kv) * hd * c
+            out[f"{prefix}.out"] = n * heads * hd * c  # also what the output projection saves: one storage
+            out[f"{prefix}.lse"] = b * heads * s * 4
+        elif self.workload.kernels.attention == "unfused":  # Megatron-LM: q, k; softmax out; v; the output
+            out[f"{prefix}.qkv"] = n * (heads + 2 * kv) * hd * c
+            probs = b * heads * s * s
+            out[f"{prefix}.probs"] = probs * c
+            if cfg.dropout > 0:
+                out[f"{prefix}.probs_dropout"] = probs * c + self._mask(probs, c)
+            out[f"{prefix}.out"] = n * heads * hd * c
+        else:  # fp32 q, and k, v repeated to every query head; the probabilities; the output (a new tensor)
+            out[f"{prefix}.qkv"] = 3 * n * heads * hd * 4
+            probs = b * heads * s * s
+            out[f"{prefix}.probs"] = probs * 4
+            if cfg.dropout > 0:
+                out[f"{prefix}.probs_dropout"] = probs * 4 + self._mask(probs, 4)
+            out[f"{prefix}.out"] = n * heads * hd * c
+        return out
+
+    def _attention(self, prefix: str) -> Terms:
+        """The attention core as saved under this layout's checkpointing."""
+        if self.layout.plan.activation_checkpointing != "selective":
+            return self._attention_core(prefix)
+        cfg, t = self.config, self.layout.plan.tp
+        heads, kv = cfg.n_heads / t, cfg.kv_heads / t
+        # the core's inputs q, k, v (before rotary) are kept to recompute from; its output is saved by the
+        # output projection
+        n, c, hd = self.tokens, self.compute_bytes, cfg.head_dim
+        return {f"{prefix}.qkv_inputs": n * (heads + 2 * kv) * hd * c, f"{prefix}.out": n * heads * hd * c}
+
+    def _matmul_input(self, name: str, readers: int) -> Terms:
+        """A norm's output as the matmul inputs save it: cast to the compute dtype once by tensor-parallel
+        matmuls (one gather serves every projection), but once per projection by autocast (it caches only the
+        casts of parameters)."""
+        copies = readers if self.layout.plan.tp == 1 and self.compute_bytes != self.residual_bytes else 1
+        return {
+            f"{name}.matmul_input": copies * self.stream_tokens * self.config.d_model * self.compute_bytes
+        }
+
+    def _mlp(self, prefix: str) -> Terms:
+        cfg, t, n, c = self.config, self.layout.plan.tp, self.tokens, self.compute_bytes
+        f = cfg.ffn_dim / t
+        k = self.workload.kernels
+        out: Terms = {}
+        if cfg.activation == "swiglu":
+            out[f"{prefix}.gate_up"] = 2 * n * f * c
+            if k.activation == "torch":
+                out[f"{prefix}.silu"] = n * f * c
+        else:  # the GeLU's input; x + bias in fp32 when the reference adds an fp32 bias to bf16
+            promoted = k.activation == "torch" and cfg.bias and c < 4
+            out[f"{prefix}.gelu_input"] = n * f * (4 if promoted else c)
+        out[f"{prefix}.act_out"] = n * f * c
+        return out
+
+    def _dropout(self, name: str) -> Terms:
+        if self.config.dropout <= 0:
+            return {}
+        return {
+            f"{name}.dropout_mask": self._mask(self.stream_tokens * self.config.d_model, self.residual_bytes)
+        }
+
+    # ---- layers ----------------------------------------------------------------------------------------
+
+    def block_without_checkpointing(self) -> Terms:
+        """One block's saved bytes per microbatch if nothing were recomputed (what the attention core saves
+        under "selective" is replaced by its inputs there, but not here)."""
+        return self._block(checkpoint_attention=False)
+
+    def _block(self, checkpoint_attention: bool) -> Terms:
+        cfg, r = self.config, self.residual_bytes
+        nr, d = self.stream_tokens, cfg.d_model
+        attention = self._attention("attn") if checkpoint_attention else self._attention_core("attn")
+        out: Terms = {}
+        mlp_in = 2 if cfg.activation == "swiglu" else 1
+        if cfg.parallel_block:
+            out.update(self._norm(nr, d, r, "norm"))
+            out.update(self._matmul_input("norm", 3 + mlp_in))  # q, k, v, gate/up
+            out.update(attention)
+            out.update(self._mlp("mlp"))
+            out.update(self._dropout("out"))
+            return out
+        out.update(self._norm(nr, d, r, "attn_norm"))
+        out.update(self._matmul_input("attn_norm", 3))
+        out.update(attention)
+        out.update(self._dropout("attn"))
+        out.update(self._norm(nr, d, r, "mlp_norm"))  # its input: the residual after attention
+        out.update(self._matmul_input("mlp_norm", mlp_in))
+        out.update(self._mlp("mlp"))
+        out.update(self._dropout("mlp"))
+        return out
+
+    def block(self) -> Terms:
+        """One block's saved bytes per microbatch under the layout's activation checkpointing (the block
+        input under "full": the rest is recomputed in backward)."""
+        if self.layout.plan.activation_checkpointing == "full":
+            return {"block_input": self.stream_tokens * self.config.d_model * self.residual_bytes}
+        return self._block(checkpoint_attention=True)
+
+    def embedding(self) -> Terms:
+        """The embedding's saved bytes per microbatch: token ids (int64), with tp a mask, and dropout."""
+        n = self.tokens
+        out: Terms = {"embed.ids": n * 8}
+        if self.layout.plan.tp > 1:
+            out["embed.outside_mask"] = n
+        out.update(self._dropout("embed"))
+        return out
+
+    def head(self) -> Terms:
+        """The final norm, the output projection's input and the loss's saved tensors, per microbatch."""
+        cfg, c, r = self.config, self.compute_bytes, self.residual_bytes
+        nr, n, t = self.stream_tokens, self.tokens, self.layout.plan.tp
+        out = self._norm(nr, cfg.d_model, r, "head.norm")
+        out.update(self._matmul_input("head", 1))
+        if t > 1:  # vocabulary-parallel loss: fp32 softmax of this rank's columns, target index, two masks
+            out["loss.softmax"] = n * cfg.padded_vocab_size / t * 4
+            out["loss.index"] = n * (8 + 1 + 1)
+        elif self.workload.kernels.cross_entropy == "torch":
+            out["loss.log_softmax"] = n * cfg.vocab_size * 4
+            out["loss.targets"] = n * 8
+        else:
+            out["loss.logits"] = n * cfg.padded_vocab_size * c
+            out["loss.lse_targets"] = n * (4 + 8)
+        return out
+
+    def weight_copies(self, stages: list[Stage]) -> float:
+        """Compute-dtype copies of the matmul weights that autocast makes (and autograd saves) once per step:
+        none under tensor parallelism (its matmuls cast inside, keeping nothing), in fp32, or under ZeRO-2/3
+        (parameters are gathered in the compute dtype)."""
+        plan, c = self.layout.plan, self.compute_bytes
+        if plan.tp > 1 or c == 4 or (plan.zero_stage >= 2 and self.layout.dp > 1):
+            return 0.0
+        cfg = self.config
+        norms = (
+            (2 if cfg.norm == "layernorm" and cfg.bias else 1)
+            * cfg.d_model
+            * (1 if cfg.parallel_block else 2)
+        )
+        out_bias = cfg.d_model * (1 if cfg.parallel_block else 2) if cfg.bias else 0
+        qk = 2 * cfg.head_dim * (2 if cfg.norm == "layernorm" and cfg.bias else 1) if cfg.qk_norm else 0
+        block = block_parameters(cfg, 1) - norms - out_bias - qk
+        n = 0
+        for s in stages:
+            n += len(s.blocks) * block
+            if s.last and not (cfg.tie_embeddings and s.first):
+                n += cfg.padded_vocab_size * cfg.d_model
+        return float(n * c)
+
+    @cached_property
+    def block_without_checkpointing_bytes(self) -> float:
+        """``sum(block_without_checkpointing().values())``: what one block's recomputation saves again."""
+        return sum(self.block_without_checkpointing().values())
+
+    @cached_property
+    def _sums(self) -> tuple[float, float, float]:
+        return sum(self.block().values()), sum(self.embedding().values()), sum(self.head().values())
+
+    def stage(self, stage: Stage) -> float:
+        """Saved bytes of one microbatch through ``stage``."""
+        block, embedding, head = self._sums
+        return len(stage.blocks) * block + stage.first * embedding + stage.last * head
+
+    def stage_terms(self, stage: Stage) -> Terms:
+        """``stage``'s saved bytes per microbatch by term (block terms summed over its blocks)."""
+        out: Terms = {}
+        if stage.first:
+            out.update(self.embedding())
+        for k, v in self.block().items():
+            out[f"blocks.{k}"] = v * len(stage.blocks)
+        if stage.last:
+            out.update(self.head())
+        return out

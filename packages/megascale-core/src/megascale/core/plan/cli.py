@@ -1,0 +1,196 @@
+"""``megascale plan``: the layouts of a model on a cluster, ranked by predicted speed, with their memory.
+
+    megascale plan --model gpt3-175b --gpus 1024 --gpu a100 --global-batch 1536 --seq-len 2048
+    megascale plan --hidden 12288 --layers 96 --heads 96 --vocab 51200 --gpus 1024 --global-batch 1536
+    megascale plan --model config.json --gpus 64 --gpu h100 --global-batch 512 --tp 8 --pp 2   # parts fixed
+    megascale plan ... --json                       # every prediction, for scripts
+    megascale plan ... --emit-config run.yaml       # a LightningCLI config for the first choice
+    megascale plan --calibrate [--model ... --gpus 2 ...]   # measure this machine; plan CPU ranks with it
+
+The planner's logic lives in ``megascale.core.plan``; the ``megascale`` command (megascale-lightning)
+dispatches here, and ``python -m megascale.core.plan`` runs it without Lightning.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from megascale.core.config import GPTConfig
+from megascale.core.parallel.plan import SCHEDULES
+from megascale.core.plan.cluster import GPUS, ClusterSpec, gpu_spec
+from megascale.core.plan.layout import OPTIMIZER_STATES, Kernels, Workload
+from megascale.core.plan.presets import PRESETS, load_model
+from megascale.core.plan.search import Candidate, Fixed, search
+from megascale.core.plan.shapes import stages_of_rank
+
+__all__ = ["main"]
+
+_GB = 1e9
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="megascale plan",
+        description="Rank tp × pp × dp × ZeRO × micro-batching layouts of a GPT on a cluster by predicted step "
+        "time, with their memory per GPU. Fix any part of the layout to search the rest; fix all to predict one.",
+    )
+    m = p.add_argument_group("model")
+    m.add_argument("--model", help=f"a preset ({', '.join(sorted(PRESETS))}), a GPTConfig YAML/JSON, a "
+                   "LightningCLI config, or a Hugging Face config.json")  # fmt: skip
+    m.add_argument("--hidden", type=int, help="d_model (with --layers, --heads, --vocab: the shape directly)")
+    m.add_argument("--layers", type=int)
+    m.add_argument("--heads", type=int)
+    m.add_argument("--kv-heads", type=int)
+    m.add_argument("--ffn-hidden", type=int)
+    m.add_argument("--vocab", type=int)
+    r = p.add_argument_group("run and cluster")
+    r.add_argument("--gpus", type=int, help="GPUs (or, with --calibrate, CPU ranks) in all")
+    r.add_argument("--gpu", default="h100", help=f"GPU kind: {', '.join(sorted(GPUS))} (aliases a100, h100)")
+    r.add_argument("--gpus-per-node", type=int, default=8)
+    r.add_argument("--network-gbps", type=float, help="network per node in Gb/s (default: the kind's DGX)")
+    r.add_argument("--global-batch", type=int, help="sequences per optimizer step")
+    r.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's max_seq_len)")
+    r.add_argument("--precision", choices=["bf16-mixed", "32-true"], default="bf16-mixed")
+    r.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATES), default="adamw")
+    f = p.add_argument_group("fixed parts of the layout (searched when left out)")
+    f.add_argument("--tp", type=int)
+    f.add_argument("--pp", type=int)
+    f.add_argument("--dp", type=int)
+    f.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3])
+    f.add_argument("--micro-batch-size", type=int)
+    f.add_argument("--num-microbatches", type=int, help="per optimizer step (pipeline or accumulation)")
+    f.add_argument("--schedule", choices=SCHEDULES)
+    f.add_argument("--virtual-stages", type=int)
+    f.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None)
+    f.add_argument("--activation-checkpointing", choices=["none", "selective", "full"])
+    o = p.add_argument_group("output")
+    o.add_argument("--top", type=int, default=5, help="layouts to print (default 5)")
+    o.add_argument("--json", action="store_true", help="print every prediction of the top layouts as JSON")
+    o.add_argument(
+        "--emit-config", type=Path, metavar="OUT.yaml", help="write a LightningCLI config for the first"
+    )
+    o.add_argument("--calibrate", action="store_true",
+                   help="measure this machine's matmul rate, memory and gloo all-reduce bandwidth; with a model, "
+                   "plan CPU ranks with those figures")  # fmt: skip
+    return p
+
+
+def _model(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> GPTConfig | None:
+    shape = [ns.hidden, ns.layers, ns.heads, ns.vocab]
+    if ns.model and any(v is not None for v in shape):
+        parser.error("give --model or the shape (--hidden --layers --heads --vocab), not both")
+    if ns.model:
+        try:
+            return load_model(ns.model)
+        except ValueError as e:
+            parser.error(str(e))
+    if all(v is None for v in shape):
+        return None
+    if any(v is None for v in shape):
+        parser.error("the shape needs all of --hidden, --layers, --heads and --vocab")
+    return GPTConfig(vocab_size=ns.vocab, d_model=ns.hidden, n_layers=ns.layers, n_heads=ns.heads,
+                     n_kv_heads=ns.kv_heads, ffn_hidden=ns.ffn_hidden, max_seq_len=ns.seq_len or 2048)  # fmt: skip
+
+
+def _row(i: int, c: Candidate) -> str:
+    s = c.step
+    fits = f"{c.memory.total / _GB:7.1f} GB" + ("" if c.fits else " (does not fit)")
+    return (f"{i:>2}  {c.layout.describe():<52} {fits:<22} {s.step_time:9.3f} {s.tokens_per_s:12,.0f} "
+            f"{s.tflops_per_gpu:9.1f} {s.mfu:6.1%}  {s.limiter}")  # fmt: skip
+
+
+def _why(c: Candidate) -> str:
+    s = c.step
+    parts = {"compute": s.compute - s.recompute, "recompute": s.recompute, "bubble": s.bubble, "tp comm": s.tp_comm,
+             "pp comm": s.pp_comm, "dp comm": s.dp_comm, "optimizer": s.optimizer}  # fmt: skip
+    share = ", ".join(f"{k} {v / s.step_time:.0%}" for k, v in parts.items() if v / s.step_time >= 0.005)
+    mem = c.memory.peak
+    return (f"      step: {share}; memory (pipeline rank {mem.pp_rank}): states {mem.states / _GB:.1f} GB, "
+            f"activations {mem.activations / _GB:.1f} GB, buffers "
+            f"{(mem.pipeline_buffers + mem.comm_buffers + mem.gathered_parameters) / _GB:.1f} GB")  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``megascale plan`` on ``argv`` (default: the command line); the exit status."""
+    parser = _parser()
+    ns = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    config = _model(ns, parser)
+    calibration = None
+    if ns.calibrate:
+        from megascale.core.plan.calibrate import cpu_cluster, measure
+
+        calibration = measure(threads=1, ranks=max(2, ns.gpus or 2) if (ns.gpus or 2) > 1 else 1)
+        if config is None or ns.json:
+            print(json.dumps({"calibration": calibration.to_dict()}, indent=2) if ns.json else
+                  f"this machine, 1 thread per rank: matmul {calibration.matmul_flops / 1e9:.1f} GFLOP/s "
+                  f"({calibration.dtype}), memory copy {calibration.memory_bandwidth / 1e9:.1f} GB/s, gloo all-reduce "
+                  f"bus bandwidth {calibration.allreduce_bandwidth / 1e9:.2f} GB/s among {calibration.ranks} ranks")  # fmt: skip
+        if config is None:
+            return 0
+    if config is None:
+        parser.error("give --model, or the shape (--hidden --layers --heads --vocab), or --calibrate")
+    if ns.gpus is None or ns.global_batch is None:
+        parser.error("--gpus and --global-batch are needed to plan")
+    seq_len = ns.seq_len or config.max_seq_len
+    if seq_len > config.max_seq_len:
+        config = replace(config, max_seq_len=seq_len)
+    if calibration is not None:
+        cluster = cpu_cluster(calibration, ns.gpus)
+        workload = Workload(config, seq_len=seq_len, global_batch=ns.global_batch, precision="32-true",
+                            optimizer=ns.optimizer, kernels=Kernels.cpu())  # fmt: skip
+    else:
+        try:
+            gpu = gpu_spec(ns.gpu)
+        except ValueError as e:
+            parser.error(str(e))
+        network = ns.network_gbps * 1e9 / 8 if ns.network_gbps else None
+        cluster = ClusterSpec(gpu, gpus=ns.gpus, gpus_per_node=ns.gpus_per_node, network_bandwidth=network)
+        workload = Workload(config, seq_len=seq_len, global_batch=ns.global_batch, precision=ns.precision,
+                            optimizer=ns.optimizer)  # fmt: skip
+    fixed = Fixed(tp=ns.tp, pp=ns.pp, dp=ns.dp, zero_stage=ns.zero_stage, micro_batch_size=ns.micro_batch_size,
+                  num_microbatches=ns.num_microbatches, schedule=ns.schedule, virtual_stages=ns.virtual_stages,
+                  sequence_parallel=ns.sequence_parallel, activation_checkpointing=ns.activation_checkpointing)  # fmt: skip
+    try:
+        ranked = search(workload, cluster, fixed, top=ns.top)
+    except ValueError as e:
+        print(f"megascale plan: {e}", file=sys.stderr)
+        return 2
+    if ns.json:
+        out = {
+            "model": config.to_dict(), "seq_len": seq_len, "global_batch": ns.global_batch,
+            "cluster": {"gpu": cluster.gpu.name, "gpus": cluster.gpus, "gpus_per_node": cluster.gpus_per_node,
+                        "usable_memory": cluster.usable_memory, "matmul_efficiency": cluster.gpu.matmul_efficiency},
+            "calibration": calibration.to_dict() if calibration else None,
+            "layouts": [c.to_dict() for c in ranked],
+        }  # fmt: skip
+        print(json.dumps(out, indent=2, default=str))
+    else:
+        n_params = stages_of_rank(config, 1, 1, 0)[0].parameters(config, 1)
+        print(f"megascale plan: {ns.model or 'GPT'} ({n_params / 1e9:.2f}B parameters), {cluster.gpus} × "
+              f"{cluster.gpu.name} ({cluster.gpus_per_node} per node, {cluster.usable_memory / _GB:.0f} GB usable "
+              f"each), global batch {ns.global_batch} × {seq_len} tokens")  # fmt: skip
+        print(
+            f" #  {'layout':<52} {'memory/GPU':<22} {'step (s)':>9} {'tokens/s':>12} {'TFLOP/s':>9} {'MFU':>6}  limited by"
+        )
+        for i, c in enumerate(ranked, 1):
+            print(_row(i, c))
+            print(_why(c))
+        if not ranked[0].fits:
+            print(
+                "no layout fits: add GPUs, shorten the sequence, or lower the global batch", file=sys.stderr
+            )
+    if ns.emit_config:
+        from megascale.core.plan.emit import lightning_config, to_yaml
+
+        best = ranked[0]
+        header = (f"written by megascale plan: {best.layout.describe()}; predicted {best.memory.total / _GB:.1f} GB "
+                  f"per GPU, {best.step.step_time:.3f} s per step, {best.step.tflops_per_gpu:.0f} TFLOP/s per GPU "
+                  f"on {cluster.gpus} × {cluster.gpu.name}")  # fmt: skip
+        text = to_yaml(lightning_config(best, config, seq_len, cluster, workload.precision), header)
+        ns.emit_config.write_text(text)
+        print(f"wrote {ns.emit_config}", file=sys.stderr if ns.json else sys.stdout)
+    return 0 if ranked[0].fits else 1

@@ -1,0 +1,118 @@
+"""Cluster specs: the GPU kinds the planner ships, and a cluster of them.
+
+Peak figures are the vendors' datasheet numbers (dense bf16/fp16 tensor-core FLOP/s, HBM capacity and
+bandwidth, NVLink bandwidth per direction) and the network of their reference systems (DGX A100: eight 200 Gb/s
+HDR InfiniBand adapters per node; DGX H100/H200: eight 400 Gb/s NDR). What a training step achieves of them is
+three efficiencies, stated here once for every kind:
+
+- ``matmul_efficiency``: the fraction of peak FLOP/s a transformer's GEMMs sustain. The one calibrated
+  constant: fitted on A100 to the whole Megatron-LM 2021 table (``benchmarks/plan_megatron.py``; Narayanan
+  et al. 2021, arXiv 2104.04473, Table 1), and assumed the same on H100/H200 (unvalidated: no table of
+  published layouts ships for them), or measured here by ``calibrate.py``.
+- ``memory_efficiency``: the fraction of HBM bandwidth elementwise kernels reach (0.85, a STREAM-like figure).
+- ``link_efficiency``: the fraction of link bandwidth NCCL's ring collectives reach as bus bandwidth (0.8,
+  nccl-tests' typical busbw over NVLink and InfiniBand).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+__all__ = ["A100_80GB", "GPUS", "H100_SXM", "H200", "MATMUL_EFFICIENCY", "ClusterSpec", "GPUSpec", "gpu_spec"]
+
+#: the calibration: fraction of peak FLOP/s the GEMMs of a training step reach (fitted on the Megatron table)
+MATMUL_EFFICIENCY = 0.68
+
+_G = 1e9
+_T = 1e12
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    """One accelerator kind.
+
+    Args:
+        name: how it is called on the command line (``--gpu``).
+        peak_flops: dense bf16/fp16 FLOP/s (or the measured matmul rate of a CPU, see ``calibrate``).
+        memory_bytes: device memory.
+        memory_bandwidth: device-memory bytes/s.
+        nvlink_bandwidth: bytes/s one GPU sends to its node's peers at once (NVLink, per direction).
+        matmul_efficiency: fraction of ``peak_flops`` sustained by the GEMMs.
+        memory_efficiency: fraction of ``memory_bandwidth`` sustained by elementwise kernels.
+        link_efficiency: fraction of a link's bandwidth a collective reaches.
+    """
+
+    name: str
+    peak_flops: float
+    memory_bytes: float
+    memory_bandwidth: float
+    nvlink_bandwidth: float
+    matmul_efficiency: float = MATMUL_EFFICIENCY
+    memory_efficiency: float = 0.85
+    link_efficiency: float = 0.8
+
+
+A100_80GB = GPUSpec("a100-80gb", peak_flops=312 * _T, memory_bytes=80 * _G, memory_bandwidth=2039 * _G,
+                    nvlink_bandwidth=300 * _G)  # fmt: skip
+H100_SXM = GPUSpec("h100-sxm", peak_flops=989 * _T, memory_bytes=80 * _G, memory_bandwidth=3350 * _G,
+                   nvlink_bandwidth=450 * _G)  # fmt: skip
+H200 = GPUSpec("h200", peak_flops=989 * _T, memory_bytes=141 * _G, memory_bandwidth=4800 * _G,
+               nvlink_bandwidth=450 * _G)  # fmt: skip
+GPUS: dict[str, GPUSpec] = {g.name: g for g in (A100_80GB, H100_SXM, H200)}
+_ALIASES = {"a100": "a100-80gb", "h100": "h100-sxm", "h200-sxm": "h200"}
+_NETWORK = {"a100-80gb": 8 * 25 * _G, "h100-sxm": 8 * 50 * _G, "h200": 8 * 50 * _G}  # bytes/s per node
+
+
+def gpu_spec(name: str) -> GPUSpec:
+    """The shipped spec called ``name`` (or an alias: a100, h100)."""
+    key = _ALIASES.get(name.lower(), name.lower())
+    if key not in GPUS:
+        raise ValueError(f"unknown GPU kind {name!r}; known: {sorted(GPUS)} (aliases {sorted(_ALIASES)})")
+    return GPUS[key]
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """GPUs of one kind, ``gpus_per_node`` to a node joined by NVLink, nodes joined by a network.
+
+    Args:
+        gpu: the accelerator.
+        gpus: how many in all.
+        gpus_per_node: GPUs sharing a node's NVLink.
+        network_bandwidth: bytes/s a node sends to the network at once (all its adapters, per direction);
+            None: the reference system's for ``gpu`` (8 adapters of 200 Gb/s for A100, 400 Gb/s for H100/H200).
+        usable_memory_fraction: what a layout may use of each GPU's memory; the rest is left to the CUDA
+            context, NCCL's buffers and the caching allocator's fragmentation.
+    """
+
+    gpu: GPUSpec
+    gpus: int
+    gpus_per_node: int = 8
+    network_bandwidth: float | None = None
+    usable_memory_fraction: float = 0.9
+
+    def __post_init__(self) -> None:
+        if self.gpus < 1 or self.gpus_per_node < 1:
+            raise ValueError(f"gpus={self.gpus} and gpus_per_node={self.gpus_per_node} must be >= 1")
+        if self.network_bandwidth is None:
+            object.__setattr__(
+                self, "network_bandwidth", _NETWORK.get(self.gpu.name, self.gpu.nvlink_bandwidth)
+            )
+
+    @property
+    def nodes(self) -> int:
+        return -(-self.gpus // self.gpus_per_node)
+
+    @property
+    def usable_memory(self) -> float:
+        return self.gpu.memory_bytes * self.usable_memory_fraction
+
+    @property
+    def network_bandwidth_per_gpu(self) -> float:
+        """A node's network bandwidth shared by its GPUs (each drives its own adapter in a rail layout)."""
+        assert self.network_bandwidth is not None
+        return self.network_bandwidth / self.gpus_per_node
+
+    def with_gpu(self, **changes: float) -> ClusterSpec:
+        """This cluster with fields of its GPU spec changed (e.g. a calibrated efficiency)."""
+        return replace(self, gpu=replace(self.gpu, **changes))  # type: ignore[arg-type]

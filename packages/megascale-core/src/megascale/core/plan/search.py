@@ -1,0 +1,192 @@
+"""Layout search: every feasible layout of a workload on a cluster, predicted and ranked.
+
+The space: tp among the divisors of a node's GPU count that split the model; pp among the divisors of what
+remains (at most one block per stage); dp the rest, dividing the global batch; the micro-batch size among the
+divisors of each replica's share; pipeline schedules 1F1B and interleaved (2 to 8 stages per rank that split the
+blocks evenly), GPipe only when asked for; ZeRO 0-3 (0 with dp = 1; 3 not with pp > 1); sequence
+parallelism on or off with tp > 1; activation checkpointing none, selective or full. The overlap switches
+stay at the strategy's defaults (on). Any part can be fixed (``Fixed``); the rest is enumerated.
+
+Ranking: layouts whose predicted memory fits (``ClusterSpec.usable_memory``) by predicted step time, then by
+memory; those that do not fit come after, least memory first, so a fully fixed layout is still predicted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, fields
+
+from megascale.core.parallel.plan import ParallelPlan
+from megascale.core.plan.cluster import ClusterSpec
+from megascale.core.plan.layout import Layout, Workload
+from megascale.core.plan.memory import MemoryEstimate, predict_memory
+from megascale.core.plan.throughput import StepEstimate, predict_step
+
+__all__ = ["Candidate", "Fixed", "enumerate_layouts", "search"]
+
+
+@dataclass(frozen=True)
+class Fixed:
+    """Parts of the layout the user fixed (None: searched). Names as ``ParallelPlan``'s and ``Layout``'s."""
+
+    tp: int | None = None
+    pp: int | None = None
+    dp: int | None = None
+    zero_stage: int | None = None
+    micro_batch_size: int | None = None
+    num_microbatches: int | None = None
+    schedule: str | None = None
+    virtual_stages: int | None = None
+    sequence_parallel: bool | None = None
+    activation_checkpointing: str | None = None
+
+    def given(self) -> dict[str, object]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A layout with its predictions."""
+
+    layout: Layout
+    memory: MemoryEstimate
+    step: StepEstimate
+    fits: bool
+
+    def to_dict(self) -> dict[str, object]:
+        p = self.layout.plan
+        return {
+            "layout": {
+                "tp": p.tp, "pp": p.pp, "dp": self.layout.dp, "zero_stage": p.zero_stage,
+                "micro_batch_size": self.layout.micro_batch_size, "num_microbatches": self.layout.microbatches,
+                "accumulation": self.layout.accumulation, "schedule": p.schedule,
+                "virtual_stages": p.virtual_stages, "sequence_parallel": p.sequence_parallel,
+                "activation_checkpointing": p.activation_checkpointing, "describe": self.layout.describe(),
+            },
+            "fits": self.fits,
+            "memory_per_gpu": self.memory.peak.to_dict(),
+            "step": self.step.to_dict(),
+        }  # fmt: skip
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _groups(workload: Workload, cluster: ClusterSpec, fixed: Fixed | None) -> Iterator[list[Layout]]:
+    fx = fixed or Fixed()
+    cfg, gpus, batch = workload.model, cluster.gpus, workload.global_batch
+    tps = [fx.tp] if fx.tp else [t for t in _divisors(cluster.gpus_per_node) if gpus % t == 0]
+    for tp in tps:
+        try:
+            cfg.check_tensor_parallel(tp)
+        except ValueError:
+            if fx.tp:
+                raise
+            continue
+        pps = [fx.pp] if fx.pp else [p for p in _divisors(gpus // tp) if p <= cfg.n_layers]
+        for pp in pps:
+            if gpus % (tp * pp):
+                continue
+            dp = gpus // (tp * pp)
+            if (fx.dp and dp != fx.dp) or batch % dp:
+                continue
+            per_replica = batch // dp
+            mbss = (
+                [fx.micro_batch_size]
+                if fx.micro_batch_size
+                else [b for b in _divisors(per_replica) if b <= 16]
+            )
+            for mbs in mbss:
+                if per_replica % mbs:
+                    continue
+                m = per_replica // mbs
+                if fx.num_microbatches and fx.num_microbatches != m:
+                    continue
+                yield from _plans(workload, fx, tp, pp, dp, mbs, m)
+
+
+def enumerate_layouts(
+    workload: Workload, cluster: ClusterSpec, fixed: Fixed | None = None
+) -> Iterator[Layout]:
+    """Every layout of ``workload`` on all of ``cluster``'s GPUs allowed by ``fixed`` (module docstring)."""
+    for group in _groups(workload, cluster, fixed):
+        yield from group
+
+
+def _plans(
+    workload: Workload, fx: Fixed, tp: int, pp: int, dp: int, mbs: int, m: int
+) -> Iterator[list[Layout]]:
+    """Groups of layouts differing only in activation checkpointing, least recomputation first."""
+    cfg = workload.model
+    schedules: list[tuple[str, int]] = [("1f1b", 1)]
+    if pp > 1:
+        schedules += [("interleaved", v) for v in range(2, 9) if cfg.n_layers % (pp * v) == 0 and m % pp == 0]
+        if fx.schedule == "gpipe":
+            schedules = [("gpipe", 1)]
+    if fx.schedule:
+        schedules = [(s, v) for s, v in schedules if s == fx.schedule]
+    if fx.virtual_stages:
+        schedules = [(s, v) for s, v in schedules if v == fx.virtual_stages]
+    if pp > 1 and m < pp:
+        schedules = [(s, v) for s, v in schedules if s == "gpipe"]
+    zeros = (
+        [fx.zero_stage]
+        if fx.zero_stage is not None
+        else ([0, 1, 2] + ([3] if pp == 1 else []) if dp > 1 else [1])
+    )
+    sps = (
+        [fx.sequence_parallel] if fx.sequence_parallel is not None else ([True, False] if tp > 1 else [True])
+    )
+    acs = [fx.activation_checkpointing] if fx.activation_checkpointing else ["none", "selective", "full"]
+    for schedule, v in schedules:
+        for zero in zeros:
+            if zero == 3 and pp > 1:
+                continue
+            for sp in sps:
+                group = []
+                for ac in acs:
+                    try:
+                        plan = ParallelPlan(
+                            tp=tp, pp=pp, zero_stage=zero, schedule=schedule,  # type: ignore[arg-type]
+                            virtual_stages=v, num_microbatches=m if pp > 1 else None, sequence_parallel=sp,
+                            activation_checkpointing=ac,  # type: ignore[arg-type]
+                        )  # fmt: skip
+                        plan.check_gpt_config(cfg)
+                    except ValueError:
+                        continue
+                    group.append(Layout(plan, dp=dp, micro_batch_size=mbs, accumulation=1 if pp > 1 else m))
+                if group:
+                    yield group
+
+
+def search(
+    workload: Workload, cluster: ClusterSpec, fixed: Fixed | None = None, top: int | None = None
+) -> list[Candidate]:
+    """Predict the layouts ``enumerate_layouts`` gives and rank them (module docstring); the best ``top``.
+
+    Recomputation only adds time, so of layouts differing only in activation checkpointing the first that
+    fits (none, then selective, then full) is the fastest of them: the others are not predicted.
+    """
+    fitting: list[Candidate] = []
+    too_big: list[tuple[float, Layout, MemoryEstimate]] = []
+    for group in _groups(workload, cluster, fixed):
+        for layout in group:
+            memory = predict_memory(workload, layout)
+            if memory.total <= cluster.usable_memory:
+                fitting.append(Candidate(layout, memory, predict_step(workload, layout, cluster), fits=True))
+                break
+            too_big.append((memory.total, layout, memory))
+    if not fitting and not too_big:
+        given = (fixed or Fixed()).given()
+        raise ValueError(
+            f"no layout of {cluster.gpus} GPUs ({cluster.gpus_per_node} per node) divides the global batch "
+            f"{workload.global_batch} and splits this model" + (f" with {given}" if given else "")
+        )
+    fitting.sort(key=lambda c: (c.step.step_time, c.memory.total))
+    too_big.sort(key=lambda t: t[0])
+    rest = too_big[: max(0, (top or len(fitting) + len(too_big)) - len(fitting))]
+    out = fitting + [
+        Candidate(lay, mem, predict_step(workload, lay, cluster), fits=False) for _, lay, mem in rest
+    ]
+    return out[:top] if top else out

@@ -1,0 +1,107 @@
+"""Layout search and ``megascale plan`` (core's command line, without Lightning): fixed parts are honoured,
+a fully fixed layout is predicted as given, ``--json`` carries every prediction, ``--emit-config`` writes the
+strategy's arguments, and ``--calibrate`` measures this machine."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from megascale.core import GPTConfig
+from megascale.core.plan import ClusterSpec, Fixed, Workload, gpu_spec, search
+from megascale.core.plan.calibrate import (
+    cpu_cluster,
+    measure_allreduce,
+    measure_matmul,
+    measure_memory_bandwidth,
+)
+from megascale.core.plan.cli import main
+
+GPT_7B = ["--hidden", "4096", "--layers", "32", "--heads", "32", "--vocab", "32000"]
+
+
+def _workload() -> Workload:
+    return Workload(GPTConfig(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, max_seq_len=4096),
+                    seq_len=4096, global_batch=256)  # fmt: skip
+
+
+def test_search_honours_fixed_parts_and_ranks_by_step_time() -> None:
+    cluster = ClusterSpec(gpu_spec("h100"), gpus=64)
+    ranked = search(_workload(), cluster, Fixed(tp=4, activation_checkpointing="selective"))
+    assert ranked and all(
+        c.layout.tp == 4 and c.layout.plan.activation_checkpointing == "selective" for c in ranked
+    )
+    fitting = [c for c in ranked if c.fits]
+    times = [c.step.step_time for c in fitting]
+    assert times == sorted(times) and ranked[: len(fitting)] == fitting
+    assert all(c.layout.global_batch == 256 and c.layout.gpus == 64 for c in ranked)
+
+
+def test_a_fully_fixed_layout_is_predicted_even_when_it_does_not_fit() -> None:
+    cluster = ClusterSpec(gpu_spec("a100"), gpus=8)
+    fixed = Fixed(tp=1, pp=1, zero_stage=0, micro_batch_size=32, activation_checkpointing="none")
+    (only,) = search(_workload(), cluster, fixed)
+    assert not only.fits and only.memory.total > 80e9 and only.step.step_time > 0
+
+
+def test_cli_json_has_every_prediction(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main([*GPT_7B, "--gpus", "64", "--gpu", "h100", "--global-batch", "256", "--seq-len", "4096",
+                 "--tp", "2", "--top", "3", "--json"])  # fmt: skip
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["layouts"]) == 3 and out["cluster"]["gpu"] == "h100-sxm"
+    first = out["layouts"][0]
+    assert first["layout"]["tp"] == 2 and first["fits"]
+    assert {"step_time", "tokens_per_s", "tflops_per_gpu", "mfu", "bubble", "tp_comm", "dp_comm"} <= set(
+        first["step"]
+    )
+    assert {"parameters", "gradients", "optimizer_state", "activations", "total"} <= set(
+        first["memory_per_gpu"]
+    )
+
+
+def test_cli_table_and_emitted_config(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "run.yaml"
+    code = main(["--model", "llama2-7b", "--gpus", "16", "--gpu", "a100", "--global-batch", "64", "--seq-len",
+                 "4096", "--pp", "2", "--emit-config", str(out)])  # fmt: skip
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "tokens/s" in printed and " 1  tp" in printed and f"wrote {out}" in printed
+    config = yaml.safe_load(out.read_text())
+    strategy = config["trainer"]["strategy"]
+    assert strategy["class_path"] == "megascale.lightning.MegaScaleStrategy"
+    assert strategy["init_args"]["pp"] == 2
+    assert config["model"]["config"]["d_model"] == 4096 and config["data"]["init_args"]["seq_len"] == 4096
+    args = strategy["init_args"]
+    dp = 16 // (args["tp"] * args["pp"])
+    per_rank = config["data"]["init_args"]["batch_size"] * config["trainer"].get("accumulate_grad_batches", 1)
+    assert per_rank * dp == 64
+
+
+def test_cli_reads_a_model_file_and_refuses_bad_input(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "model.yaml"
+    path.write_text(
+        "model:\n  config: {vocab_size: 1000, d_model: 256, n_layers: 4, n_heads: 4, max_seq_len: 512}\n"
+    )
+    assert main(["--model", str(path), "--gpus", "8", "--global-batch", "16", "--top", "1"]) == 0
+    assert "256" not in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--model", "no-such-preset", "--gpus", "8", "--global-batch", "16"])
+    with pytest.raises(SystemExit):
+        main(["--hidden", "256", "--gpus", "8", "--global-batch", "16"])  # an incomplete shape
+
+
+def test_calibration_measures_this_machine_and_plans_cpu_ranks() -> None:
+    assert measure_matmul(n=256, repeats=2) > 1e8
+    assert measure_memory_bandwidth(mib=16, repeats=2) > 1e8
+    bus = measure_allreduce(ranks=2, mib=1, repeats=2)
+    assert bus > 1e6
+    from megascale.core.plan.calibrate import Calibration
+
+    cluster = cpu_cluster(Calibration(measure_matmul(n=256, repeats=2), 5e9, bus, 1, 2, "float32"), ranks=2)
+    workload = Workload(GPTConfig(vocab_size=256, d_model=64, n_layers=4, n_heads=4, max_seq_len=64), seq_len=64,
+                        global_batch=8, precision="32-true")  # fmt: skip
+    ranked = search(workload, cluster)
+    assert ranked[0].fits and ranked[0].step.step_time > 0
