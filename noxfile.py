@@ -37,6 +37,10 @@ EXTRA_TEST_DEPS = {
     "data": ["moto[server]>=5", "tokenizers>=0.19"],
     "ft": ["moto[server]>=5"],
 }
+# What tests/integration and the benchmarks need beyond the packages: the Parquet + BPE data benchmark's
+# baseline (Hugging Face datasets streaming) and its tokenizer, and the Hugging Face example (a tiny model
+# written by transformers, read through safetensors).
+BENCH_DEPS = ["datasets>=2.19", "tokenizers>=0.19", "transformers>=4.51", "safetensors>=0.4"]
 DOCS_DEPS = ["mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26"]
 
 
@@ -77,7 +81,7 @@ def tests(session: nox.Session) -> None:
 @nox.session
 def integration(session: nox.Session) -> None:
     """All four packages installed together; the tests that need several of them (tests/integration)."""
-    _install(session, "packages/megascale-core", *PACKAGES.values(), *TEST_DEPS)
+    _install(session, "packages/megascale-core", *PACKAGES.values(), *TEST_DEPS, *BENCH_DEPS)
     _pytest(session, "tests/integration")
 
 
@@ -132,7 +136,8 @@ def demo(session: nox.Session) -> None:
 def benchmarks(session: nox.Session) -> None:
     """Run every benchmark, or those named (``nox -s benchmarks -- kernels data``); figures go to the terminal,
     to be recorded in benchmarks/RESULTS.md with the command, date and machine."""
-    _install(session, "packages/megascale-core", *PACKAGES.values())
-    names = session.posargs or sorted(p.stem for p in Path("benchmarks").glob("*.py"))
+    _install(session, "packages/megascale-core", *PACKAGES.values(), *BENCH_DEPS)
+    # _-prefixed modules are a benchmark's helpers, not benchmarks
+    names = session.posargs or sorted(p.stem for p in Path("benchmarks").glob("[!_]*.py"))
     for name in names:
         session.run("python", f"benchmarks/{name.removesuffix('.py')}.py")
