@@ -54,6 +54,7 @@ from megascale.core.parallel.mesh import ParallelDims
 from megascale.core.parallel.plan import ParallelPlan
 from megascale.core.parallel.wait_timer import WaitTimer, untimed
 from megascale.lightning import checkpoint_io
+from megascale.lightning.memory_check import layout_memory_warning
 from megascale.lightning.pipeline_loop import PipelineLoop
 from megascale.lightning.precision import to_megascale_precision
 from megascale.lightning.weight_readers import weight_readers_between_steps
@@ -161,6 +162,7 @@ class MegaScaleStrategy(ParallelStrategy):
         self._wait_after_step = False  # ZeRO-1: hooks between steps read weights (see setup)
         self._rng_to_restore: dict[str, Any] | None = None  # dropout streams of a resumed checkpoint
         self._wait_timer: WaitTimer | None = None
+        self._memory_checked = False  # the planner's memory check runs at the first training batch
 
     # ---- layout -------------------------------------------------------------------------------------
 
@@ -332,6 +334,9 @@ class MegaScaleStrategy(ParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if not self._memory_checked:
+            self._memory_checked = True
+            self._warn_if_over_memory(args[0] if args else kwargs.get("batch"))
         if self._rng_to_restore is not None:
             self._restore_rng(self._rng_to_restore)
             self._rng_to_restore = None
@@ -490,6 +495,15 @@ class MegaScaleStrategy(ParallelStrategy):
         # draws from the default generator (DataLoader's base seed) where the saved run had drawn long before
         self._rng_to_restore = checkpoint.pop(RNG_KEY, None)
         return checkpoint
+
+    def _warn_if_over_memory(self, batch: Any) -> None:
+        """The planner's memory prediction for this layout, at the first batch (``memory_check.py``)."""
+        precision = getattr(self.precision_plugin, "precision", "32-true")
+        message = layout_memory_warning(
+            self.lightning_module, self.plan, self.world_size, batch, self.root_device, str(precision)
+        )
+        if message is not None:
+            rank_zero_warn(f"MegaScaleStrategy: {message}")
 
     def set_wait_timer(self, timer: WaitTimer) -> None:
         """Time the waits for other ranks with ``timer`` (``megascale.core.parallel.wait_timer``): how
