@@ -280,7 +280,7 @@ def inspect(args: argparse.Namespace) -> int:
 
 def convert(args: argparse.Namespace) -> int:
     """The `convert` subcommand."""
-    from megascale.data.sources import DataSourceError, iter_samples, list_shards
+    from megascale.data.sources import DataSourceError, iter_texts, list_shards
 
     source = _source(args)
     options = source.storage_options or {}
@@ -289,12 +289,8 @@ def convert(args: argparse.Namespace) -> int:
     try:
         units = list_shards(source)
         for unit in tqdm(units, desc="units", unit="unit", file=sys.stderr, disable=None):
-            key = source.text_key_of(unit)
-            for sample in iter_samples(unit, storage_options=source.storage_options, format=source.format,
-                                       text_key=key):  # fmt: skip
-                raw = sample.get(key)
-                if raw is not None:
-                    writer.write(raw.decode("utf-8", errors="replace"))
+            for raw in iter_texts(source, unit):
+                writer.write(raw.decode("utf-8", errors="replace"))
     except (ValueError, ImportError, DataSourceError) as e:
         raise UsageError(str(e)) from e
     finally:

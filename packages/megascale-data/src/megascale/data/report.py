@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from megascale.data.formats.base import format_of, split_unit
-from megascale.data.sources import Source, _fs, iter_samples, list_shards
+from megascale.data.sources import Source, _fs, iter_texts, list_shards
 from megascale.data.tokenize import Tokenizer
 
 __all__ = ["SourceReport", "inspect_source"]
@@ -58,13 +58,7 @@ def inspect_source(
     read_units = units if sample_units is None else units[:sample_units]
     documents = text_bytes = sampled_tokens = sampled_bytes = 0
     for unit in read_units:
-        key = source.text_key_of(unit)
-        for sample in iter_samples(
-            unit, storage_options=source.storage_options, format=source.format, text_key=key
-        ):
-            raw = sample.get(key)
-            if raw is None:
-                continue
+        for raw in iter_texts(source, unit):
             documents += 1
             text_bytes += len(raw)
             if documents <= sample_docs:

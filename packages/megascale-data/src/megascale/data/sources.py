@@ -37,6 +37,7 @@ __all__ = [
     "Source",
     "expand_urls",
     "iter_samples",
+    "iter_texts",
     "list_shards",
     "open_output",
 ]
@@ -428,6 +429,18 @@ def iter_samples(
                 ) from e
             stats.retries += 1
             time.sleep(backoff * 2 ** (failures - 1))
+
+
+def iter_texts(source: Source, unit: str, **kwargs: Any) -> Iterator[bytes]:
+    """The UTF-8 text of each document of one unit of ``source`` (samples without it skipped); ``kwargs``
+    go to `iter_samples` (retries, on_corrupt, stats)."""
+    key = source.text_key_of(unit)
+    for sample in iter_samples(
+        unit, storage_options=source.storage_options, format=source.format, text_key=key, **kwargs
+    ):
+        raw = sample.get(key)
+        if raw is not None:
+            yield raw
 
 
 # --------------------------------------------------------------------------------------------- writing
