@@ -9,7 +9,8 @@ optimizer and every rank's RNG state come back exactly. A fault fires only in th
 (``MEGASCALE_FT_ATTEMPT=0``; every attempt with ``--always``), at step STEP on rank RANK. Kinds: sigkill,
 sigstop, exception, nan, kill-persist (SIGKILL while a checkpoint persists: its data file exists, its
 manifest does not), corrupt-latest (rank 0 damages the checkpoint just committed, then dies: the restart
-must skip it).
+must skip it), kill-node (RANK is a node name under a multi-node ``megascale-ft launch``: that node's torchrun
+and all its ranks are SIGKILLed, as when a machine's job processes die).
 """
 
 from __future__ import annotations
@@ -41,6 +42,26 @@ def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, x.sum(dim=1, keepdim=True).sin()
 
 
+def _ddp(module: nn.Module) -> DistributedDataParallel:
+    """DDP with its gradient buckets already in their final layout. DDP rebuilds the buckets after the first
+    backward of a process (in the order gradients became ready), so a restarted attempt's first step would
+    reduce in the old layout, and at 3+ ranks the sums associate differently (float rounding). One backward
+    on a dummy input, without dropout and without a step, at the start of every attempt avoids that."""
+    model = DistributedDataParallel(module)
+    module.eval()
+    model(torch.zeros(1, 16)).sum().backward()
+    model.zero_grad(set_to_none=True)
+    module.train()
+    return model
+
+
+def global_batch(step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step ``step``'s ``size`` samples, the same whatever the number of ranks that share them."""
+    g = torch.Generator().manual_seed(10_000 + step)
+    x = torch.randn(size, 16, generator=g)
+    return x, x.sum(dim=1, keepdim=True).sin()
+
+
 def _damage_latest(root: str, step: int) -> None:
     files = sorted((Path(root) / f"step-{step:09d}").glob("*.distcp"))
     data = bytearray(files[0].read_bytes())
@@ -55,6 +76,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--fault", default="", help="KIND@STEP:RANK, first attempt only")
     parser.add_argument("--always", action="store_true", help="inject the fault in every attempt")
+    parser.add_argument("--global-batch", type=int, default=0,
+                        help="share one batch of this size per step among the ranks, without dropout: the "
+                        "same training on any number of ranks (elastic runs)")  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(1)
     with Executor.from_env() as executor:
@@ -64,7 +88,12 @@ def main() -> None:
         if args.fault and (executor.attempt == 0 or args.always):
             kind, where = args.fault.split("@")
             at, who = (int(v) for v in where.split(":"))
-        model = DistributedDataParallel(_model())
+        model = _ddp(_model())
+        world = dist.get_world_size()
+        if args.global_batch:
+            if args.global_batch % world:
+                raise ValueError(f"--global-batch {args.global_batch} is not divisible by {world} ranks")
+            model.eval()  # no dropout: its masks would depend on how many ranks share the batch
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         checkpointer = TwoStageCheckpointer(args.ckpt, keep_last=3)
         torch.manual_seed(1 + rank)
@@ -79,7 +108,13 @@ def main() -> None:
             torch.set_rng_state(rng[f"rng{rank}"])
         for step in range(start, args.steps):
             with executor.timer.step(step):
-                x, y = _batch(step, rank)
+                if args.global_batch:
+                    share = args.global_batch // world
+                    x, y = (
+                        t[rank * share : (rank + 1) * share] for t in global_batch(step, args.global_batch)
+                    )
+                else:
+                    x, y = _batch(step, rank)
                 with executor.timer.section("forward"):
                     loss = nn.functional.mse_loss(model(x), y)
                 with executor.timer.section("backward"):
@@ -88,6 +123,16 @@ def main() -> None:
                     optimizer.step()
                     optimizer.zero_grad()
             value = loss.item()
+            node = os.environ.get("MEGASCALE_FT_NODE")
+            if (
+                kind == "kill-node"
+                and step == at
+                and node == str(who)
+                and os.environ.get("LOCAL_RANK") == "0"
+            ):
+                from megascale.ft._procs import kill_tree
+
+                kill_tree(os.getppid())  # torchrun, then everything below it, this rank included
             if rank == who and step == at:
                 if kind == "sigkill":
                     os.kill(os.getpid(), signal.SIGKILL)

@@ -310,3 +310,54 @@ def test_heartbeats_over_tls_are_delivered_and_verified(tmp_path):
 def test_off_loopback_the_server_needs_tls():
     with pytest.raises(ValueError, match="off loopback: give it a TLS certificate"):
         HeartbeatServer(TOKEN, lambda beat: None, DriverAddress(host="0.0.0.0", allow_any=True))
+
+
+def test_agent_reports_are_signed_both_ways_and_replays_refused(caplog):
+    """A node agent's report (POST /agent) is checked like a heartbeat, and the driver's orders come back
+    signed: an agent obeys only a server that holds the token."""
+    from megascale.ft.heartbeat import exchange
+
+    caplog.set_level(logging.WARNING, logger="megascale.ft.heartbeat")
+    seen: list[dict] = []
+
+    def orders(report: dict) -> dict:
+        seen.append(report)
+        return {"action": "wait", "for": report["node"]}
+
+    with HeartbeatServer(TOKEN, lambda beat: None, on_agent=orders) as server:
+        report = {"node": "n1", "host": "h", "pid": 1}
+        assert exchange(server.url, TOKEN, report, timeout=5) == {"action": "wait", "for": "n1"}
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            exchange(server.url, "another-jobs-token-0000", report, timeout=5)
+        assert refused.value.code == 401
+        replay = _signed({**report, "seq": seen[0]["seq"], "sent": seen[0]["sent"]})
+        replay.full_url = f"{server.url}/agent"
+        with pytest.raises(urllib.error.HTTPError) as replayed:
+            urllib.request.urlopen(replay, timeout=5)
+        assert replayed.value.code == 409 and "replayed report of node n1's agent" in caplog.text
+        assert len(seen) == 1
+    # a server that answers without the token (not our driver): the agent refuses its orders
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from threading import Thread
+
+    class Impostor(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers["Content-Length"]))
+            body = b'{"action": "stop"}'
+            self.send_response(200)
+            self.send_header(SIGNATURE, sign("not-the-token-0123456", body))
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    impostor = ThreadingHTTPServer(("127.0.0.1", 0), Impostor)
+    Thread(target=impostor.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(ValueError, match="not signed with the job's token"):
+            exchange(f"http://127.0.0.1:{impostor.server_address[1]}", TOKEN, report, timeout=5)
+    finally:
+        impostor.shutdown()
+        impostor.server_close()

@@ -17,13 +17,17 @@ except PackageNotFoundError:  # running from a source tree that is not installed
     __version__ = "0.0.0+unknown"
 
 _EXPORTS = {
+    "AgentConfig": "megascale.ft.agent",
     "CheckpointError": "megascale.ft.manifest",
+    "ClusterConfig": "megascale.ft.driver",
+    "ClusterDriver": "megascale.ft.driver",
     "DriverAddress": "megascale.ft.config",
     "Executor": "megascale.ft.executor",
     "GCSchedule": "megascale.ft.sync_gc",
     "FaultTolerance": "megascale.ft.lightning",
     "LaunchConfig": "megascale.ft.launcher",
     "Launcher": "megascale.ft.launcher",
+    "NodeAgent": "megascale.ft.agent",
     "NonFiniteLossError": "megascale.ft.executor",
     "SelfCheckReport": "megascale.ft.selfcheck",
     "StepTimer": "megascale.ft.timing",
@@ -41,9 +45,13 @@ _EXPORTS = {
 __all__ = ["__version__", *_EXPORTS]
 
 if TYPE_CHECKING:
+    from megascale.ft.agent import AgentConfig as AgentConfig
+    from megascale.ft.agent import NodeAgent as NodeAgent
     from megascale.ft.checkpoint import TwoStageCheckpointer as TwoStageCheckpointer
     from megascale.ft.config import DriverAddress as DriverAddress
     from megascale.ft.config import Timeouts as Timeouts
+    from megascale.ft.driver import ClusterConfig as ClusterConfig
+    from megascale.ft.driver import ClusterDriver as ClusterDriver
     from megascale.ft.executor import Executor as Executor
     from megascale.ft.executor import NonFiniteLossError as NonFiniteLossError
     from megascale.ft.gc_callback import SynchronizedGC as SynchronizedGC

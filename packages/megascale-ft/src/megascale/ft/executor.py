@@ -37,6 +37,7 @@ ENV = {
     "hang_timeout": "MEGASCALE_FT_HANG_TIMEOUT",
     "cafile": "MEGASCALE_FT_CAFILE",
     "collective_timeout": "MEGASCALE_FT_COLLECTIVE_TIMEOUT",
+    "node": "MEGASCALE_FT_NODE",  # the node agent's name (multi-node launches): faults name the node
 }
 
 
@@ -77,7 +78,7 @@ class Executor:
         self.timeouts = timeouts or Timeouts()
         self.timer = StepTimer(rank=rank)
         self._lock = threading.Lock()
-        self._beat = Heartbeat(rank=rank, attempt=attempt)
+        self._beat = Heartbeat(rank=rank, attempt=attempt, node=os.environ.get(ENV["node"]) or None)
         self._sender = None
         if url is not None:
             self._sender = HeartbeatSender(

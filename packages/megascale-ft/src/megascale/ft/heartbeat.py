@@ -12,7 +12,9 @@ server then also needs TLS (stdlib ``ssl``, a certificate and key; ranks verify 
 nobody on the path reads the job's state either. It also keeps the driver free of torch.
 
 Wire format: ``POST /heartbeat`` with the signature header and a JSON object (see `Heartbeat`).
-``GET /status`` (``Authorization: Bearer <token>``) returns the latest heartbeat of every rank.
+``GET /status`` (``Authorization: Bearer <token>``) returns the latest heartbeat of every rank. Across nodes,
+each node's agent talks to the driver on ``POST /agent`` (`exchange`): signed, numbered and checked the same
+way, and the driver's answer (the agent's orders) is signed too, so an agent obeys only its driver.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from typing import Any
 
 from megascale.ft.config import DriverAddress, TLSConfig
 
-__all__ = ["Heartbeat", "HeartbeatSender", "HeartbeatServer"]
+__all__ = ["Heartbeat", "HeartbeatSender", "HeartbeatServer", "exchange", "post"]
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +78,7 @@ class Heartbeat:
     sent: float = 0.0
     seq: int = 0  # per sending process, increasing: a repeated or older number is a replay
     coords: dict[str, int] | None = None  # this rank's parallel coordinates ({"dp": 0, "pp": 1, "tp": 0})
+    node: str | None = None  # the node agent that started this rank (multi-node launches)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Heartbeat:
@@ -105,50 +108,84 @@ class _Handler(BaseHTTPRequestHandler):
         self._reply(code, {"error": why})
         return False
 
-    def _fresh(self, beat: Heartbeat) -> bool:
+    def _fresh(self, who: str, key: tuple[Any, ...], sent: float, seq: int) -> bool:
         """Not a replay: a sequence number above the last from this process, sent within ``max_age``."""
-        age = time.time() - beat.sent
+        age = time.time() - sent
         if not -self.server.max_age < age < self.server.max_age:
-            return self._refuse(
-                409, f"replayed or stale heartbeat of rank {beat.rank} (sent {age:.0f} s ago)"
-            )
-        key = (beat.rank, beat.host, beat.pid)
+            return self._refuse(409, f"replayed or stale {who} (sent {age:.0f} s ago)")
         with self.server.seq_lock:
-            if beat.seq <= self.server.last_seq.get(key, 0):
-                return self._refuse(409, f"replayed heartbeat of rank {beat.rank} (sequence {beat.seq})")
-            self.server.last_seq[key] = beat.seq
+            if seq <= self.server.last_seq.get(key, 0):
+                return self._refuse(409, f"replayed {who} (sequence {seq})")
+            self.server.last_seq[key] = seq
         return True
 
-    def _reply(self, code: int, body: dict[str, Any]) -> None:
+    def _reply(self, code: int, body: dict[str, Any], signed: bool = False) -> None:
         data = json.dumps(body).encode()
         self.send_response(code)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
+        if signed:
+            self.send_header(SIGNATURE, sign(self.server.token, data))
         self.end_headers()
         self.wfile.write(data)
 
-    def do_POST(self) -> None:
-        if self.path != "/heartbeat":
-            self._reply(404, {"error": f"no {self.path}"})
-            return
+    def _signed_json(self) -> dict[str, Any] | None:
+        """The request's JSON object if its signature is the token's, else None (refused and logged)."""
         length = int(self.headers.get("Content-Length", "0"))
         if not 0 < length <= MAX_BODY:
             self._reply(413, {"error": f"body of {length} bytes"})
-            return
+            return None
         body = self.rfile.read(length)
         given = self.headers.get(SIGNATURE, "")
         if not hmac.compare_digest(given.encode(), sign(self.server.token, body).encode()):
             self._refuse(401, "bad or missing signature (forged, or another job's token)")
+            return None
+        try:
+            data = json.loads(body)
+            if not isinstance(data, dict):
+                raise ValueError("not a JSON object")
+            return data
+        except ValueError as e:
+            self._reply(400, {"error": str(e)})
+            return None
+
+    def do_POST(self) -> None:
+        if self.path == "/agent" and self.server.on_agent is not None:
+            self._agent()
+            return
+        if self.path != "/heartbeat":
+            self._reply(404, {"error": f"no {self.path}"})
+            return
+        data = self._signed_json()
+        if data is None:
             return
         try:
-            beat = Heartbeat.from_json(json.loads(body))
+            beat = Heartbeat.from_json(data)
         except (ValueError, TypeError) as e:
             self._reply(400, {"error": str(e)})
             return
-        if not self._fresh(beat):
+        if not self._fresh(
+            f"heartbeat of rank {beat.rank}", (beat.rank, beat.host, beat.pid), beat.sent, beat.seq
+        ):
             return
         self.server.deliver(beat)
         self._reply(200, {"ok": True})
+
+    def _agent(self) -> None:
+        data = self._signed_json()
+        if data is None:
+            return
+        try:
+            node, pid, sent, seq = str(data["node"]), int(data["pid"]), float(data["sent"]), int(data["seq"])
+        except (KeyError, TypeError, ValueError) as e:
+            self._reply(400, {"error": f"not an agent report: {e}"})
+            return
+        if not self._fresh(
+            f"report of node {node}'s agent", ("agent", node, data.get("host"), pid), sent, seq
+        ):
+            return
+        assert self.server.on_agent is not None
+        self._reply(200, self.server.on_agent(data), signed=True)
 
     def do_GET(self) -> None:
         if not self._authorized():
@@ -168,9 +205,10 @@ class _Server(ThreadingHTTPServer):
     refused: int
     max_age: float
     seq_lock: threading.Lock
-    last_seq: dict[tuple[int, str, int], int]
+    last_seq: dict[tuple[Any, ...], int]
     latest: dict[int, Heartbeat]
     deliver: Callable[[Heartbeat], None]
+    on_agent: Callable[[dict[str, Any]], dict[str, Any]] | None
 
 
 class HeartbeatServer:
@@ -184,6 +222,7 @@ class HeartbeatServer:
             that leave the machine are encrypted as well as signed).
         max_age: seconds after which a heartbeat counts as replayed (clocks of the nodes must agree to
             within this).
+        on_agent: answers a node agent's report (``POST /agent``) with its orders (multi-node driver).
     """
 
     def __init__(
@@ -193,15 +232,12 @@ class HeartbeatServer:
         address: DriverAddress | None = None,
         tls: TLSConfig | None = None,
         max_age: float = 120.0,
+        on_agent: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
     ) -> None:
         if len(token) < 16:
             raise ValueError("the heartbeat token must have at least 16 characters (use secrets.token_hex())")
         address = address or DriverAddress()
-        if tls is None and not _is_loopback(address.host):
-            raise ValueError(
-                f"the heartbeat server binds {address.host}, off loopback: give it a TLS certificate and key "
-                "(--tls-cert/--tls-key) so heartbeats that cross the network are encrypted as well as signed"
-            )
+        require_tls_off_loopback(address.host, tls)
         family = socket.AF_INET6 if ":" in address.host else socket.AF_INET
         server_class = type("_BoundServer", (_Server,), {"address_family": family})
         self._server: _Server = server_class((address.host, address.port), _Handler)
@@ -213,6 +249,7 @@ class HeartbeatServer:
             self._server.socket = context.wrap_socket(self._server.socket, server_side=True)
         self._server.token, self._server.refused, self._server.latest = token, 0, {}
         self._server.max_age, self._server.seq_lock, self._server.last_seq = max_age, threading.Lock(), {}
+        self._server.on_agent = on_agent
         lock = threading.Lock()
 
         def deliver(beat: Heartbeat) -> None:
@@ -265,6 +302,15 @@ class HeartbeatServer:
         self.close()
 
 
+def require_tls_off_loopback(host: str, tls: TLSConfig | None) -> None:
+    """Heartbeats that cross the network are encrypted as well as signed: off loopback, TLS is required."""
+    if tls is None and not _is_loopback(host):
+        raise ValueError(
+            f"the heartbeat server binds {host}, off loopback: give it a TLS certificate and key "
+            "(--tls-cert/--tls-key) so heartbeats that cross the network are encrypted as well as signed"
+        )
+
+
 def _is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -280,19 +326,45 @@ _SEQ = iter(
 _SEQ_LOCK = threading.Lock()
 
 
-def post(url: str, token: str, beat: Heartbeat, timeout: float, cafile: str | None = None) -> None:
-    """Send one heartbeat, numbered and signed; raises ``urllib.error.URLError``/``HTTPError`` when it is
-    not accepted. ``cafile``: the certificate (or CA) an ``https`` driver is verified against."""
+def _numbered(payload: dict[str, Any]) -> bytes:
     with _SEQ_LOCK:
-        beat.seq, beat.sent = next(_SEQ), time.time()
-        body = json.dumps(asdict(beat)).encode()
+        payload["seq"], payload["sent"] = next(_SEQ), time.time()
+        return json.dumps(payload).encode()
+
+
+def _send(
+    url: str, token: str, path: str, body: bytes, timeout: float, cafile: str | None
+) -> tuple[bytes, str]:
     request = urllib.request.Request(
-        f"{url}/heartbeat", data=body, method="POST",
+        f"{url}{path}", data=body, method="POST",
         headers={SIGNATURE: sign(token, body), "Content-Type": "application/json"},
     )  # fmt: skip
     context = ssl.create_default_context(cafile=cafile) if url.startswith("https:") else None
     with urllib.request.urlopen(request, timeout=timeout, context=context) as response:
-        response.read()
+        return response.read(), response.headers.get(SIGNATURE, "")
+
+
+def post(url: str, token: str, beat: Heartbeat, timeout: float, cafile: str | None = None) -> None:
+    """Send one heartbeat, numbered and signed; raises ``urllib.error.URLError``/``HTTPError`` when it is
+    not accepted. ``cafile``: the certificate (or CA) an ``https`` driver is verified against."""
+    payload = asdict(beat)
+    body = _numbered(payload)
+    beat.seq, beat.sent = payload["seq"], payload["sent"]
+    _send(url, token, "/heartbeat", body, timeout, cafile)
+
+
+def exchange(
+    url: str, token: str, report: dict[str, Any], timeout: float, cafile: str | None = None
+) -> dict[str, Any]:
+    """A node agent's report to the driver (``POST /agent``, numbered and signed) and the driver's answer,
+    whose signature is checked: ``ValueError`` if it was not signed with the token."""
+    data, signature = _send(url, token, "/agent", _numbered(dict(report)), timeout, cafile)
+    if not hmac.compare_digest(signature.encode(), sign(token, data).encode()):
+        raise ValueError(f"the answer from {url} is not signed with the job's token: not our driver")
+    answer = json.loads(data)
+    if not isinstance(answer, dict):
+        raise ValueError(f"the answer from {url} is not a JSON object")
+    return answer
 
 
 class HeartbeatSender:

@@ -30,11 +30,11 @@ from typing import Any
 from megascale.ft._procs import kill_tree
 from megascale.ft.config import DriverAddress, Timeouts, TLSConfig
 from megascale.ft.executor import ENV
-from megascale.ft.heartbeat import HeartbeatServer
+from megascale.ft.heartbeat import HeartbeatServer, require_tls_off_loopback
 from megascale.ft.monitor import Fault, JobMonitor
 from megascale.ft.stacks import STACKS_ENV
 
-__all__ = ["LaunchConfig", "Launcher", "RunReport"]
+__all__ = ["LaunchConfig", "Launcher", "Rendezvous", "RunReport", "run_self_check"]
 
 log = logging.getLogger("megascale.ft")
 
@@ -83,6 +83,7 @@ class LaunchConfig:
             raise ValueError(f"nproc_per_node must be >= 1, got {self.nproc_per_node}")
         if self.max_restarts < 0 or self.repeat_limit < 1:
             raise ValueError("max_restarts must be >= 0 and repeat_limit >= 1")
+        require_tls_off_loopback(self.address.host, self.tls)
 
 
 @dataclass
@@ -93,16 +94,22 @@ class RunReport:
     ok: bool = False
     reason: str = ""
     attempts: list[dict[str, Any]] = field(default_factory=list)
+    evicted: dict[str, str] = field(default_factory=dict)  # multi-node: node -> why it was evicted
 
     def summary(self) -> str:
         lines = [f"megascale-ft: {'finished' if self.ok else 'FAILED'} after {len(self.attempts)} attempt(s)"]
         for a in self.attempts:
             fault = a.get("fault")
             what = "ok" if fault is None else f"{fault['kind']} of rank {fault['rank']}: {fault['message']}"
+            if fault is not None and fault.get("node") is not None:
+                what = f"{fault['kind']} on node {fault['node']} (rank {fault['rank']}): {fault['message']}"
             latency = "" if fault is None else f", noticed after {fault['latency']:.2f} s"
-            lines.append(f"  attempt {a['attempt']}: {what}{latency} ({a['seconds']:.1f} s)")
+            nodes = f" on nodes {', '.join(a['nodes'])}" if a.get("nodes") else ""
+            lines.append(f"  attempt {a['attempt']}{nodes}: {what}{latency} ({a['seconds']:.1f} s)")
             if fault is not None and fault.get("stacks"):
                 lines.append(f"    stacks: {fault['stacks']['summary']}")
+        for node, why in self.evicted.items():
+            lines.append(f"  node {node} evicted: {why.splitlines()[0]}")
         if self.reason:
             lines.append(f"  {self.reason}")
         return "\n".join(lines)
@@ -114,17 +121,73 @@ def _free_port(host: str) -> int:
         return int(s.getsockname()[1])
 
 
-def _torchrun(nproc: int, command: list[str]) -> list[str]:
-    """torchrun for ``command`` (``script.py args`` or ``-m module args``; a leading ``python`` is dropped)."""
+@dataclass(frozen=True)
+class Rendezvous:
+    """One attempt's torchrun c10d rendezvous across nodes: ``nnodes`` agents meet at ``endpoint``
+    (``host:port`` of a TCP store) under the attempt's own ``run_id``."""
+
+    nnodes: int
+    endpoint: str
+    run_id: str
+    join_timeout: float = 600.0
+
+
+def _torchrun(nproc: int, command: list[str], rendezvous: Rendezvous | None = None) -> list[str]:
+    """torchrun for ``command`` (``script.py args`` or ``-m module args``; a leading ``python`` is dropped):
+    this machine alone on a fresh loopback port, or one node of a c10d ``rendezvous``."""
     if command and Path(command[0]).name.startswith("python"):
         command = command[1:]
     if not command:
         raise ValueError("no training command: give it after '--', e.g. -- train.py --steps 100")
+    if rendezvous is None:
+        where = ["--master-addr=127.0.0.1", f"--master-port={_free_port('127.0.0.1')}"]
+    else:  # is_host=false: the driver hosts the store, so any node may be evicted or replaced
+        where = [
+            f"--nnodes={rendezvous.nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rendezvous.endpoint}",
+            f"--rdzv-id={rendezvous.run_id}",
+            f"--rdzv-conf=is_host=false,join_timeout={int(rendezvous.join_timeout)}",
+        ]  # fmt: skip
     return [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-        "--master-addr=127.0.0.1", f"--master-port={_free_port('127.0.0.1')}", "--max-restarts=0",
+        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", *where, "--max-restarts=0",
         f"--monitor-interval={TORCHRUN_MONITOR_S}", *command,
     ]  # fmt: skip
+
+
+def run_self_check(
+    nproc: int, report: Path, timeout: float, collective_timeout: float, storage: str | None,
+    env: dict[str, str] | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """The self-checks of this machine's ``nproc`` ranks under torchrun; ``{"ok", "report", "summary"}``."""
+    args = [
+        "-m",
+        "megascale.ft.selfcheck",
+        "--report",
+        str(report),
+        "--timeout",
+        str(min(collective_timeout, timeout)),
+    ]
+    if storage:
+        args += ["--storage", storage]
+    started = time.time()
+    try:
+        result = subprocess.run(
+            _torchrun(nproc, args), timeout=timeout, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+            env=env,
+        )  # fmt: skip
+        code, output = result.returncode, result.stdout + result.stderr
+    except subprocess.TimeoutExpired as e:
+        code, output = -1, f"self-checks did not finish within {timeout} s: {e}"
+    summary = ""
+    if report.exists():
+        from megascale.ft.selfcheck import load_report  # imports torch: only when self-checks ran
+
+        summary = load_report(report).summary()
+    ok = code == 0
+    if not ok and not summary:
+        summary = output.strip()[-2000:]
+    log.info("self-checks %s in %.1f s%s", "passed" if ok else "FAILED", time.time() - started,
+             "" if ok else f":\n{summary}")  # fmt: skip
+    return {"ok": ok, "report": str(report), "summary": summary}
 
 
 class Launcher:
@@ -170,34 +233,11 @@ class Launcher:
         return replace(fault, stacks=report.to_json())
 
     def _self_check(self, attempt: int) -> dict[str, Any]:
-        report = self.run_dir / f"selfcheck-{attempt}.json"
-        args = ["-m", "megascale.ft.selfcheck", "--report", str(report)]
-        args += [
-            "--timeout",
-            str(min(self.config.timeouts.collective_timeout, self.config.self_check_timeout)),
-        ]
-        if self.config.storage:
-            args += ["--storage", self.config.storage]
-        started = time.time()
-        try:
-            result = subprocess.run(
-                _torchrun(self.config.nproc_per_node, args), timeout=self.config.self_check_timeout,
-                stdin=subprocess.DEVNULL, capture_output=True, text=True,
-            )  # fmt: skip
-            code, output = result.returncode, result.stdout + result.stderr
-        except subprocess.TimeoutExpired as e:
-            code, output = -1, f"self-checks did not finish within {self.config.self_check_timeout} s: {e}"
-        summary = ""
-        if report.exists():
-            from megascale.ft.selfcheck import load_report  # imports torch: only when self-checks ran
-
-            summary = load_report(report).summary()
-        ok = code == 0
-        if not ok and not summary:
-            summary = output.strip()[-2000:]
-        log.info("self-checks %s in %.1f s%s", "passed" if ok else "FAILED", time.time() - started,
-                 "" if ok else f":\n{summary}")  # fmt: skip
-        return {"ok": ok, "report": str(report), "summary": summary}
+        c = self.config
+        return run_self_check(
+            c.nproc_per_node, self.run_dir / f"selfcheck-{attempt}.json", c.self_check_timeout,
+            c.timeouts.collective_timeout, c.storage,
+        )  # fmt: skip
 
     def _attempt(self, server: HeartbeatServer, attempt: int) -> Fault | None:
         monitor = JobMonitor(self.config.nproc_per_node, self.config.timeouts)

@@ -39,6 +39,8 @@ class Fault:
     since: float
     #: a hang: every rank's stacks and the ranks that stand out (``megascale.ft.stacks.HangReport.to_json``)
     stacks: dict[str, Any] | None = None
+    #: the node (agent name) the fault is attributed to, in multi-node launches
+    node: str | None = None
 
     @property
     def latency(self) -> float:
@@ -51,7 +53,8 @@ class Fault:
         return self.kind, self.rank, re.sub(r"\d+(\.\d+)?", "#", first)
 
     def __str__(self) -> str:
-        who = "the job" if self.rank is None else f"rank {self.rank} (host {self.host})"
+        where = f"host {self.host}" if self.node is None else f"node {self.node}, host {self.host}"
+        who = f"the job ({where})" if self.rank is None else f"rank {self.rank} ({where})"
         return f"{who}: {self.kind}: {self.message} (noticed after {self.latency:.1f} s)"
 
     def to_json(self) -> dict[str, Any]:
@@ -73,10 +76,19 @@ class JobMonitor:
         world_size: ranks expected to report.
         timeouts: the hierarchy of `Timeouts`.
         clock: time source (tests pass a fake one).
+        gone: whether a rank's process is known to be gone; by default its pid is checked when it runs on
+            this host. The multi-node driver asks the rank's node agent instead.
     """
 
-    def __init__(self, world_size: int, timeouts: Timeouts, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        world_size: int,
+        timeouts: Timeouts,
+        clock: Callable[[], float] = time.time,
+        gone: Callable[[Heartbeat], bool] | None = None,
+    ) -> None:
         self.world_size, self.timeouts, self.clock = world_size, timeouts, clock
+        self._gone = gone or self._local_pid_gone
         self.started = clock()
         self.host = socket.gethostname()
         self._ranks: dict[int, _Rank] = {}
@@ -110,7 +122,10 @@ class JobMonitor:
             if beat.status in ("error", "nan") and self._anomaly is None:
                 kind = "exception" if beat.status == "error" else "nan"
                 since = prev.seen if prev is not None else self.started
-                self._anomaly = Fault(kind, beat.rank, beat.host, beat.message, now, since)
+                self._anomaly = Fault(kind, beat.rank, beat.host, beat.message, now, since, node=beat.node)
+
+    def _local_pid_gone(self, beat: Heartbeat) -> bool:
+        return beat.host == self.host and not pid_alive(beat.pid)
 
     def finished(self) -> bool:
         """Every rank reported status "finished"."""
@@ -142,14 +157,15 @@ class JobMonitor:
             anomaly = self._anomaly
             ranks = dict(self._ranks)
         for rank, r in sorted(ranks.items()):
-            if r.beat.status == "running" and r.beat.host == self.host and not pid_alive(r.beat.pid):
-                return Fault("dead", rank, r.beat.host, f"process {r.beat.pid} is gone", now, r.seen)
+            if r.beat.status == "running" and self._gone(r.beat):
+                message = f"process {r.beat.pid} is gone"
+                return Fault("dead", rank, r.beat.host, message, now, r.seen, node=r.beat.node)
         if anomaly is not None:
             return anomaly
         for rank, r in sorted(ranks.items()):
             if r.beat.status != "finished" and now - r.seen > t.hang_timeout:
                 message = f"no heartbeat for {now - r.seen:.1f} s (hang_timeout {t.hang_timeout} s)"
-                return Fault("hung", rank, r.beat.host, message, now, r.seen)
+                return Fault("hung", rank, r.beat.host, message, now, r.seen, node=r.beat.node)
         if now - self.started > t.startup_timeout:
             missing = sorted(set(range(self.world_size)) - set(ranks))
             if missing:
@@ -161,5 +177,5 @@ class JobMonitor:
             limit = t.hang_timeout if r.first_step_done else t.startup_timeout
             if now - r.progressed > limit:
                 message = f"step {r.beat.step} (progress {r.beat.progress}) has not advanced for {now - r.progressed:.1f} s (limit {limit} s)"
-                return Fault("hung", rank, r.beat.host, message, now, r.progressed)
+                return Fault("hung", rank, r.beat.host, message, now, r.progressed, node=r.beat.node)
         return None

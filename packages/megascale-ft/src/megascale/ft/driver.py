@@ -1,0 +1,477 @@
+"""The driver of a multi-node run: one process that hears every rank and every node agent, attributes a fault
+to a rank and a node, evicts bad nodes, takes spares, and restarts all nodes together.
+
+Who does what. Each node runs ``megascale-ft launch --nnodes N --driver URL -- COMMAND`` (a `NodeAgent`); the
+driver runs inside the first node's launcher (``launch`` without ``--driver``) or on its own
+(``megascale-ft driver``). Every attempt is a fresh torchrun on each member node, meeting in torchrun's own
+c10d rendezvous at a TCP store the driver hosts (so the rendezvous outlives any node: a node that hosted it
+could not be evicted), under a run id of its own. The ranks' heartbeats go straight to the driver, as in a
+one-machine launch; the agents add what only a node can see: which of its processes are gone, its
+self-check verdict, its ranks' stacks.
+
+An attempt: the live agents (members and spares) run their node's self-checks; a node that fails them is
+evicted; the first ``nnodes`` healthy nodes in order of arrival run the attempt and the others wait as
+spares. A fault ends the attempt on every node at once (the agents kill their trees), is attributed to a
+node (the rank's node, or the node whose agent fell silent), and the next attempt starts from the latest
+checkpoint. A node behind the same kind of fault ``evict_after`` times is evicted too. With fewer healthy
+nodes than ``nnodes``, the driver waits up to ``node_timeout`` for spares (any agent that joins), then runs
+on what it has if that is at least ``min_nodes`` (the data-parallel size shrinks; the training script
+reshards its checkpoint and resumes its data elastically), and otherwise stops with a report that says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import secrets
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from megascale.ft.executor import ENV
+from megascale.ft.heartbeat import Heartbeat, HeartbeatServer
+from megascale.ft.launcher import POLL_S, STRAGGLER_CHECK_S, LaunchConfig, RunReport, _write_timeline
+from megascale.ft.monitor import Fault, JobMonitor
+
+__all__ = ["ClusterConfig", "ClusterDriver"]
+
+log = logging.getLogger("megascale.ft")
+
+WAIT: dict[str, Any] = {"action": "wait"}
+STOP_WAIT_S = 15.0  # how long the agents have to report their trees stopped
+STACKS_WAIT_S = 5.0  # how long the agents have to send their ranks' stacks
+
+
+@dataclass
+class ClusterConfig(LaunchConfig):
+    """How the driver runs a multi-node job (`LaunchConfig`'s fields, ``nproc_per_node`` per node, plus:)
+
+    Args:
+        nnodes: nodes per attempt (more agents wait as spares).
+        min_nodes: fewest nodes an attempt may run on when nodes were evicted and no spare came (default
+            ``nnodes``: never shrink). The layout must allow it (data parallelism shrinks).
+        node_timeout: seconds to wait for enough healthy nodes (at the start, and for spares).
+        evict_after: a node behind the same kind of fault this many times is evicted.
+        rdzv_endpoint: ``host:port`` where the driver hosts torchrun's rendezvous store (default: the
+            heartbeat server's host, a free port). Nodes must reach it; like torchrun's, it has no token.
+    """
+
+    nnodes: int = 2
+    min_nodes: int | None = None
+    node_timeout: float = 300.0
+    evict_after: int = 2
+    rdzv_endpoint: str | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.min_nodes is None:
+            self.min_nodes = self.nnodes
+        if not 1 <= self.min_nodes <= self.nnodes:
+            raise ValueError(f"need 1 <= min_nodes ({self.min_nodes}) <= nnodes ({self.nnodes})")
+        if self.token is None:
+            raise ValueError(
+                "a multi-node run needs the token on every node: set MEGASCALE_FT_TOKEN (or --token-file) to "
+                "the same secret on the driver and every node, e.g. from `python -c 'import secrets; "
+                "print(secrets.token_hex(16))'`"
+            )
+        if self.evict_after < 1:
+            raise ValueError(f"evict_after must be >= 1, got {self.evict_after}")
+
+
+@dataclass
+class _Agent:
+    report: dict[str, Any]
+    seen: float  # driver clock of the last report
+    joined: int  # order of arrival
+
+
+@dataclass
+class _Verdict:
+    """How the run ended, for the agents' last orders."""
+
+    ok: bool
+    acked: set[str] = field(default_factory=set)
+
+
+@contextlib.contextmanager
+def _rendezvous_store(endpoint: str | None, default_host: str) -> Iterator[str]:
+    """A TCP store for torchrun's c10d rendezvous, in a child process for the whole run (torch is
+    imported there, not in the driver)."""
+    host, _, port = (endpoint or f"{default_host}:0").rpartition(":")
+    code = (
+        "import sys, torch.distributed as d\n"
+        "s = d.TCPStore(sys.argv[1], int(sys.argv[2]), is_master=True, multi_tenant=True, wait_for_workers=False)\n"
+        "print(s.port, flush=True)\nsys.stdin.read()\n"
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-c", code, host, port], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert process.stdout is not None
+        line = process.stdout.readline().strip()
+        if not line.isdigit():
+            raise RuntimeError(f"the rendezvous store could not listen on {host}:{port} (see the log above)")
+        yield f"{host}:{line}"
+    finally:
+        process.kill()
+        process.wait()
+
+
+class ClusterDriver:
+    """Drive a multi-node job: ``run()`` returns the `RunReport` (also ``run_dir/report.json``).
+
+    ``url`` (the heartbeat server's) is set once ``ready`` is; agents on other nodes need it (``--driver``).
+    """
+
+    def __init__(self, config: ClusterConfig) -> None:
+        self.config = config
+        assert config.token is not None and config.min_nodes is not None
+        self.token, self.min_nodes = config.token, config.min_nodes
+        self.run_dir = Path(config.run_dir)
+        self.run_name = f"megascale-{secrets.token_hex(4)}"
+        self.ready = threading.Event()
+        self.url = ""
+        self._lock = threading.Lock()
+        self.agents: dict[str, _Agent] = {}
+        self.orders: dict[str, dict[str, Any]] = {}
+        self.evicted: dict[str, str] = {}
+        self.faults: dict[str, list[str]] = {}  # node -> kinds of the faults attributed to it
+        self.monitor: JobMonitor | None = None
+        self.verdict: _Verdict | None = None
+        self._server: HeartbeatServer | None = None
+        self._first_beat: float | None = None  # of the current attempt, for the recovery phases
+        self._stepped: dict[int, float] = {}  # rank -> when it first reported a finished step
+
+    # --- the agents' side (server threads) ------------------------------------------------------------
+    def _on_agent(self, report: dict[str, Any]) -> dict[str, Any]:
+        node, now = str(report["node"]), time.time()
+        with self._lock:
+            if node in self.evicted:
+                return {"action": "evicted", "reason": self.evicted[node]}
+            known = self.agents.get(node)
+            if known is not None and (known.report.get("host"), known.report.get("pid")) != (
+                report.get("host"), report.get("pid")
+            ) and now - known.seen < self.config.timeouts.hang_timeout:  # fmt: skip
+                return {"action": "refused", "reason": f"another agent already runs as node {node} "
+                        f"(host {known.report.get('host')}): give each node its own --node-rank"}  # fmt: skip
+            if known is None or known.report.get("pid") != report.get("pid"):
+                log.info("node %s joined (host %s)", node, report.get("host"))
+            joined = len(self.agents) if known is None else known.joined
+            self.agents[node] = _Agent(report, now, joined)
+            if self.verdict is not None:
+                self.verdict.acked.add(node)
+                return {"action": "done", "ok": self.verdict.ok}
+            return dict(self.orders.get(node, WAIT))
+
+    def _on_heartbeat(self, beat: Heartbeat) -> None:
+        if self.monitor is not None:
+            self.monitor.on_heartbeat(beat)
+        now = time.time()
+        self._first_beat = self._first_beat or now
+        if beat.step >= 0:
+            self._stepped.setdefault(beat.rank, now)
+
+    def _gone(self, beat: Heartbeat) -> bool:
+        """The rank's node agent saw its process end."""
+        with self._lock:
+            agent = self.agents.get(beat.node or "")
+            return agent is not None and beat.pid in agent.report.get("gone", ())
+
+    def _snapshot(self) -> dict[str, _Agent]:
+        with self._lock:
+            return dict(self.agents)
+
+    def _order(self, nodes: list[str], orders: dict[str, Any]) -> None:
+        with self._lock:
+            for node in nodes:
+                self.orders[node] = dict(orders)
+
+    def _evict(self, node: str, reason: str) -> None:
+        log.error("evicting node %s: %s", node, reason)
+        with self._lock:
+            self.evicted[node] = reason
+            self.orders.pop(node, None)
+
+    def _live(self) -> list[str]:
+        """Agents heard from within the hang timeout and not evicted, in order of arrival."""
+        now, limit = time.time(), self.config.timeouts.hang_timeout
+        agents = self._snapshot()
+        live = [n for n, a in agents.items() if n not in self.evicted and now - a.seen < limit]
+        return sorted(live, key=lambda n: agents[n].joined)
+
+    # --- before an attempt: self-checks, eviction, spares -----------------------------------------------
+    def _gather(self, attempt: int, entry: dict[str, Any]) -> list[str] | None:
+        """The nodes of ``attempt``, or None when fewer than ``min_nodes`` healthy nodes came in time."""
+        c = self.config
+        deadline = time.time() + c.node_timeout
+        checks: dict[str, dict[str, Any]] = {}
+        while True:
+            live = self._live()
+            if c.self_check:
+                waiting = [n for n in live if n not in checks]
+                self._order(waiting, {"action": "check", "attempt": attempt, "timeout": c.self_check_timeout,
+                                      "collective_timeout": c.timeouts.collective_timeout})  # fmt: skip
+                agents = self._snapshot()
+                for node in waiting:
+                    report = agents[node].report
+                    if report.get("checked_attempt") == attempt and node not in checks:
+                        checks[node] = report["self_check"]
+                        if not checks[node]["ok"]:
+                            self._evict(node, f"self-checks failed:\n{checks[node]['summary']}")
+                healthy = [n for n in live if checks.get(n, {}).get("ok")]
+                pending = [n for n in live if n not in checks]
+            else:
+                healthy, pending = live, []
+            if len(healthy) >= c.nnodes or (time.time() > deadline and not pending):
+                break
+            if time.time() > deadline + c.self_check_timeout:
+                break  # checks that never report: their nodes stay out
+            time.sleep(POLL_S)
+        if checks:
+            entry["self_check"] = checks
+        if len(healthy) < self.min_nodes:
+            return None
+        members = healthy[: c.nnodes]
+        self._order([n for n in live if n not in members], WAIT)
+        if len(members) < c.nnodes:
+            log.warning("attempt %d runs on %d of %d nodes (no spare came within %.0f s)", attempt,
+                        len(members), c.nnodes, c.node_timeout)  # fmt: skip
+        return members
+
+    # --- one attempt ------------------------------------------------------------------------------------
+    def _run_orders(self, attempt: int, nnodes: int, endpoint: str) -> dict[str, Any]:
+        t = self.config.timeouts
+        env = {
+            ENV["heartbeat_interval"]: t.heartbeat_interval, ENV["hang_timeout"]: t.hang_timeout,
+            ENV["collective_timeout"]: t.collective_timeout,
+        }  # fmt: skip
+        return {"action": "run", "attempt": attempt, "nnodes": nnodes, "endpoint": endpoint,
+                "run_id": f"{self.run_name}-{attempt}", "join_timeout": t.startup_timeout, "env": env}  # fmt: skip
+
+    def _node_fault(self, members: list[str], attempt: int) -> Fault | None:
+        """A member whose agent fell silent, or whose torchrun exited with an error no rank explained."""
+        now, agents = time.time(), self._snapshot()
+        for node in members:
+            agent = agents[node]
+            host = str(agent.report.get("host", "?"))
+            if now - agent.seen > self.config.timeouts.hang_timeout:
+                message = (
+                    f"node {node}'s agent silent for {now - agent.seen:.1f} s (its machine or agent is gone)"
+                )
+                return Fault("node-lost", None, host, message, now, agent.seen, node=node)
+        for node in members:
+            report = agents[node].report
+            if report.get("attempt") == attempt and report.get("state") == "exited" and report.get("code"):
+                message = f"torchrun on node {node} exited with code {report['code']}; see that node's log"
+                return Fault("exit", None, str(report.get("host", "?")), message, now, now, node=node)
+        return None
+
+    def _attempt(self, attempt: int, members: list[str], endpoint: str) -> Fault | None:
+        c = self.config
+        monitor = JobMonitor(len(members) * c.nproc_per_node, c.timeouts, gone=self._gone)
+        self.monitor = monitor
+        self._order(members, self._run_orders(attempt, len(members), endpoint))
+        log.info("attempt %d on nodes %s (%d ranks)", attempt, ", ".join(members), monitor.world_size)
+        flagged: set[int] = set()
+        next_straggler_check = time.monotonic() + STRAGGLER_CHECK_S
+        while True:
+            if time.monotonic() > next_straggler_check:
+                next_straggler_check += STRAGGLER_CHECK_S
+                self._flag_stragglers(monitor, flagged)
+            fault = monitor.check()
+            if fault is not None and fault.kind == "exception":
+                # a peer may be the cause: give the agents a few reports to say a process is gone
+                time.sleep(max(3 * POLL_S, 2 * c.timeouts.heartbeat_interval))
+                fault = monitor.check() or fault
+                cause = self._node_fault(members, attempt)
+                fault = cause if fault.kind == "exception" and cause is not None else fault
+            fault = fault or self._node_fault(members, attempt)
+            if fault is not None:
+                if fault.kind == "hung":
+                    fault = self._localise_hang(attempt, fault)
+                return fault
+            agents = self._snapshot()
+            exited = [agents[n].report.get("attempt") == attempt and agents[n].report.get("state") == "exited"
+                      for n in members]  # fmt: skip
+            if monitor.finished() and all(exited):
+                return None
+            if all(exited):  # every torchrun ended with code 0, yet not every rank said "finished"
+                time.sleep(POLL_S)
+                if not monitor.finished():
+                    message = "every node's torchrun exited, but not every rank reported finishing"
+                    return Fault("exit", None, "?", message, time.time(), time.time())
+            time.sleep(POLL_S)
+
+    def _stop(self, attempt: int, members: list[str]) -> None:
+        """Every member's tree of ``attempt`` killed, or its agent silent, within `STOP_WAIT_S`."""
+        self._order(members, {"action": "stop", "attempt": attempt})
+        deadline = time.monotonic() + STOP_WAIT_S
+        while time.monotonic() < deadline:
+            agents = self._snapshot()
+            if all(agents[n].report.get("state") != "running" or agents[n].report.get("attempt") != attempt
+                   or time.time() - agents[n].seen > 3 * self.config.timeouts.heartbeat_interval
+                   for n in members):  # fmt: skip
+                break
+            time.sleep(POLL_S)
+        self._order(members, WAIT)
+
+    def _localise_hang(self, attempt: int, fault: Fault) -> Fault:
+        """Every rank's stacks through its node's agent, before the trees are killed."""
+        from megascale.ft.stacks import localise
+
+        assert self.monitor is not None
+        pids: dict[str, dict[str, int]] = {}
+        for beat in self.monitor_beats():
+            pids.setdefault(beat.node or "", {})[str(beat.rank)] = beat.pid
+        for node, on_node in pids.items():
+            self._order([node], {"action": "stacks", "attempt": attempt, "pids": on_node})
+        stacks: dict[int, str] = {}
+        sent: dict[str, dict[str, Any]] = {}
+        deadline = time.monotonic() + STACKS_WAIT_S
+        while time.monotonic() < deadline:
+            agents = self._snapshot()
+            sent = {n: agents[n].report for n in pids if agents.get(n) and
+                    agents[n].report.get("stacks_attempt") == attempt}  # fmt: skip
+            if len(sent) == len(pids):
+                break
+            time.sleep(POLL_S)
+        directory = self.run_dir / "stacks" / f"attempt-{attempt}"
+        directory.mkdir(parents=True, exist_ok=True)
+        for report in sent.values():
+            for rank, text in report.get("stacks", {}).items():
+                stacks[int(rank)] = text
+                (directory / f"rank-{int(rank):05d}.txt").write_text(text)
+        hang = localise(stacks, list(range(self.monitor.world_size)), str(directory))
+        log.error("hang: %s (stacks in %s)", hang.summary(), directory)
+        return replace(fault, stacks=hang.to_json())
+
+    def monitor_beats(self) -> list[Heartbeat]:
+        return list(self._server.beats()) if self._server is not None else []
+
+    def _flag_stragglers(self, monitor: JobMonitor, flagged: set[int]) -> None:
+        from megascale.ft.stragglers import find_stragglers
+
+        for s in find_stragglers(
+            monitor.timings(), threshold=self.config.straggler_threshold, hosts=monitor.hosts
+        ):
+            if s.rank not in flagged:
+                flagged.add(s.rank)
+                log.warning("straggler: %s", s)
+
+    # --- the run ----------------------------------------------------------------------------------------
+    def _blame(self, fault: Fault) -> None:
+        """Count the fault against its node; the same kind ``evict_after`` times evicts the node."""
+        if fault.node is None:
+            return
+        kinds = self.faults.setdefault(fault.node, [])
+        kinds.append(fault.kind)
+        if kinds.count(fault.kind) >= self.config.evict_after:
+            self._evict(
+                fault.node, f"behind {kinds.count(fault.kind)} faults of kind {fault.kind!r} (last: {fault})"
+            )
+
+    def run(self) -> RunReport:
+        c = self.config
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        report = RunReport(command=[])
+        monitors: list[JobMonitor] = []
+        signatures: list[tuple[str, int | None, str]] = []
+        with (
+            HeartbeatServer(
+                self.token, self._on_heartbeat, c.address, tls=c.tls, on_agent=self._on_agent
+            ) as server,
+            _rendezvous_store(c.rdzv_endpoint, server.host) as endpoint,
+        ):
+            self._server, self.url = server, server.url
+            log.info("driver: heartbeats on %s (token required), rendezvous store on %s; waiting for %d node(s)",
+                     server.url, endpoint, c.nnodes)  # fmt: skip
+            self.ready.set()
+            for attempt in range(c.max_restarts + 1):
+                started = time.time()
+                entry: dict[str, Any] = {"attempt": attempt}
+                members = self._gather(attempt, entry)
+                gathered = time.time()
+                if members is None:
+                    entry["seconds"] = time.time() - started
+                    report.attempts.append(entry)
+                    report.reason = self._too_few(attempt)
+                    break
+                entry["nodes"] = members
+                server.forget()
+                self._first_beat, self._stepped = None, {}
+                fault = self._attempt(attempt, members, endpoint)
+                stopping = time.time()
+                self._stop(attempt, members)
+                entry["phases"] = self._phases(started, gathered, stopping, len(members) * c.nproc_per_node)
+                if self.monitor is not None:
+                    monitors.append(self.monitor)
+                entry["seconds"] = time.time() - started
+                entry["fault"] = None if fault is None else fault.to_json()
+                report.attempts.append(entry)
+                if fault is None:
+                    report.ok = True
+                    break
+                log.error("attempt %d failed: %s", attempt, fault)
+                self._blame(fault)
+                signatures.append(fault.signature)
+                if signatures[-c.repeat_limit :] == [fault.signature] * c.repeat_limit:
+                    report.reason = (f"failed the same way {c.repeat_limit} times in a row ({fault}); not "
+                                     "restarting again: fix the cause (see the log), then relaunch")  # fmt: skip
+                    break
+            else:
+                report.reason = f"gave up after {c.max_restarts} restarts (--max-restarts)"
+            report.evicted = dict(self.evicted)
+            self._finish(report.ok)
+        self._write(report, monitors)
+        print(report.summary(), file=sys.stderr, flush=True)
+        return report
+
+    def _phases(
+        self, started: float, gathered: float, stopping: float, world: int
+    ) -> dict[str, float | None]:
+        """Seconds of the attempt's phases: self-checks (and waiting for nodes), start (torchrun, rendezvous,
+        imports, up to the first heartbeat), restore and first step (to every rank's first finished step),
+        and stopping the trees after the attempt ended."""
+        first = self._first_beat
+        stepped = max(self._stepped.values()) if len(self._stepped) == world else None
+        return {
+            "self_check": gathered - started,
+            "start": None if first is None else first - gathered,
+            "restore_and_first_step": None if first is None or stepped is None else stepped - first,
+            "stop": time.time() - stopping,
+        }
+
+    def _too_few(self, attempt: int) -> str:
+        have = len([n for n in self._live() if n not in self.evicted])
+        why = f"only {have} healthy node(s) for attempt {attempt}, fewer than min_nodes={self.min_nodes}"
+        if self.evicted:
+            why += "; evicted: " + "; ".join(
+                f"node {n} ({r.splitlines()[0]})" for n, r in self.evicted.items()
+            )
+        return (f"{why}. Start a spare (`megascale-ft launch --nnodes ... --driver {self.url} -- COMMAND` on a "
+                f"healthy machine) within --node-timeout, or allow fewer nodes (--nnodes MIN:MAX)")  # fmt: skip
+
+    def _finish(self, ok: bool) -> None:
+        """Tell every agent the run is over (it fetches that with its next report)."""
+        with self._lock:
+            self.verdict = _Verdict(ok)
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline:
+            live = set(self._live())
+            with self._lock:
+                if live <= self.verdict.acked:
+                    return
+            time.sleep(POLL_S)
+
+    def _write(self, report: RunReport, monitors: list[JobMonitor]) -> None:
+        path = self.run_dir / "report.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({**asdict(report), "summary": report.summary()}, indent=2))
+        tmp.replace(path)
+        _write_timeline(self.run_dir, monitors, self.config.straggler_threshold)
