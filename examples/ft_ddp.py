@@ -10,7 +10,8 @@ optimizer and every rank's RNG state come back exactly. A fault fires only in th
 sigstop, exception, nan, kill-persist (SIGKILL while a checkpoint persists: its data file exists, its
 manifest does not), corrupt-latest (rank 0 damages the checkpoint just committed, then dies: the restart
 must skip it), kill-node (RANK is a node name under a multi-node ``megascale-ft launch``: that node's torchrun
-and all its ranks are SIGKILLed, as when a machine's job processes die).
+and all its ranks are SIGKILLed, as when a machine's job processes die), kill-agent (the same, and the node's
+``megascale-ft`` agent above them: the whole node is gone).
 """
 
 from __future__ import annotations
@@ -124,15 +125,14 @@ def main() -> None:
                     optimizer.zero_grad()
             value = loss.item()
             node = os.environ.get("MEGASCALE_FT_NODE")
-            if (
-                kind == "kill-node"
-                and step == at
-                and node == str(who)
-                and os.environ.get("LOCAL_RANK") == "0"
-            ):
+            on_node = step == at and node == str(who) and os.environ.get("LOCAL_RANK") == "0"
+            if kind in ("kill-node", "kill-agent") and on_node:
                 from megascale.ft._procs import kill_tree
 
-                kill_tree(os.getppid())  # torchrun, then everything below it, this rank included
+                root = os.getppid()  # torchrun; its parent is the node's agent
+                if kind == "kill-agent":
+                    root = int(Path(f"/proc/{root}/stat").read_text().rsplit(")", 1)[1].split()[1])
+                kill_tree(root)  # then everything below it, this rank included
             if rank == who and step == at:
                 if kind == "sigkill":
                     os.kill(os.getpid(), signal.SIGKILL)

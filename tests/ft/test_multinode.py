@@ -21,31 +21,32 @@ SCRIPT = str(ROOT / "examples" / "ft_ddp.py")
 TOKEN = "multinode-test-token-0123456789"
 
 
-def _nodes(
-    tmp: Path, names: list[str], *train_args: str, nnodes: str = "2", self_check: bool = False,
-    env: dict[str, dict[str, str]] | None = None, extra: tuple[str, ...] = (), tls: tuple[str, str] | None = None,
-) -> tuple[dict[str, subprocess.CompletedProcess], dict]:  # fmt: skip
-    """Start one launcher per name (the first runs the driver), wait for all; their outputs and report.json."""
-    port = free_port()
-    common = [
+def _start(
+    tmp: Path, name: str, port: int, *train_args: str, driver: bool, nnodes: str = "2", self_check: bool = False,
+    env: dict[str, str] | None = None, extra: tuple[str, ...] = (), tls: tuple[str, str] | None = None,
+) -> subprocess.Popen:  # fmt: skip
+    """One node's launcher (``driver``: it also runs the driver, on ``port``)."""
+    command = [
         sys.executable, "-m", "megascale.ft.cli", "launch", f"--nnodes={nnodes}", "--nproc-per-node=2",
         f"--heartbeat-interval={HEARTBEAT}", f"--hang-timeout={HANG}", f"--collective-timeout={COLLECTIVE}",
         "--max-restarts=3", "--node-timeout=4", *extra, *([] if self_check else ["--no-self-check"]),
+        f"--node-rank={name}", f"--run-dir={tmp / ('run' if driver else 'run-' + name)}",
     ]  # fmt: skip
-    job = ["--", SCRIPT, str(tmp / "ckpt"), str(tmp / "out.pt"), *train_args]
-    processes = {}
     scheme = "http" if tls is None else "https"
-    for i, name in enumerate(names):
-        where = [f"--port={port}"] if i == 0 else [f"--driver={scheme}://127.0.0.1:{port}"]
-        if tls is not None:  # the driver serves HTTPS; agents and ranks verify its certificate
-            where += [f"--tls-cert={tls[0]}", f"--tls-key={tls[1]}"] if i == 0 else [f"--tls-ca={tls[0]}"]
-        command = [*common, f"--node-rank={name}", f"--run-dir={tmp / ('run' if i == 0 else 'run-' + name)}"]
-        node_env = {**clean_env(), "MEGASCALE_FT_TOKEN": TOKEN, **(env or {}).get(name, {})}
-        processes[name] = subprocess.Popen(
-            [*command, *where, *job], env=node_env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True,
-        )  # fmt: skip
-        time.sleep(0.3)  # the driver's node first: arrival order decides members and spares
+    command += [f"--port={port}"] if driver else [f"--driver={scheme}://127.0.0.1:{port}"]
+    if tls is not None:  # the driver serves HTTPS; agents and ranks verify its certificate
+        command += [f"--tls-cert={tls[0]}", f"--tls-key={tls[1]}"] if driver else [f"--tls-ca={tls[0]}"]
+    job = ["--", SCRIPT, str(tmp / "ckpt"), str(tmp / "out.pt"), *train_args]
+    return subprocess.Popen(
+        [*command, *job], env={**clean_env(), "MEGASCALE_FT_TOKEN": TOKEN, **(env or {})}, cwd=ROOT,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+
+
+def _finish(
+    tmp: Path, processes: dict[str, subprocess.Popen]
+) -> tuple[dict[str, subprocess.CompletedProcess], dict]:
+    """Wait for every launcher; their outputs and the driver's report.json."""
     results = {}
     for name, process in processes.items():
         try:
@@ -57,6 +58,19 @@ def _nodes(
     report_path = tmp / "run" / "report.json"
     assert report_path.exists(), "\n".join(r.stdout[-3000:] for r in results.values())
     return results, json.loads(report_path.read_text())
+
+
+def _nodes(
+    tmp: Path, names: list[str], *train_args: str, env: dict[str, dict[str, str]] | None = None, **options
+) -> tuple[dict[str, subprocess.CompletedProcess], dict]:  # fmt: skip
+    """One launcher per name (the first runs the driver), all to the end; their outputs and report.json."""
+    port, processes = free_port(), {}
+    for i, name in enumerate(names):
+        processes[name] = _start(
+            tmp, name, port, *train_args, driver=i == 0, env=(env or {}).get(name), **options
+        )
+        time.sleep(0.3)  # the driver's node first
+    return _finish(tmp, processes)
 
 
 def _output(results: dict[str, subprocess.CompletedProcess]) -> str:
@@ -95,6 +109,27 @@ def test_a_node_whose_processes_die_is_named_and_both_nodes_restart_to_bitwise_e
     assert sorted(first["nodes"]) == sorted(second["nodes"]) == ["0", "1"]  # both nodes restarted
     assert second["fault"] is None
     assert "dead on node 1" in results["0"].stdout
+    _assert_equal(tmp_path / "out.pt", uninterrupted)
+
+
+def test_a_whole_node_lost_is_named_and_its_replacement_joins_the_restart(uninterrupted, tmp_path):
+    """Node 1's agent and everything below it are SIGKILLed at step 4 (the machine is gone): node 0's ranks
+    fail on the broken connections, and the driver blames node 1, whose agent fell silent. A new launcher for
+    node 1 (a scheduler restarting it) joins, and the run ends bitwise equal."""
+    port = free_port()
+    fault = ("--fault", "kill-agent@4:1")
+    processes = {"0": _start(tmp_path, "0", port, *fault, driver=True, extra=("--node-timeout=120",))}
+    first = _start(tmp_path, "1", port, *fault, driver=False)
+    first.communicate(timeout=240)
+    assert first.returncode == -9  # killed with its tree
+    processes["1"] = _start(tmp_path, "1", port, *fault, driver=False)
+    results, report = _finish(tmp_path, processes)
+    output = _output(results)
+    assert report["ok"] and all(r.returncode == 0 for r in results.values()), output
+    failed, resumed = report["attempts"]
+    assert (failed["fault"]["kind"], failed["fault"]["node"]) == ("node-lost", "1"), failed["fault"]
+    assert "agent silent" in failed["fault"]["message"]
+    assert sorted(resumed["nodes"]) == ["0", "1"] and resumed["fault"] is None
     _assert_equal(tmp_path / "out.pt", uninterrupted)
 
 

@@ -22,6 +22,7 @@ reshards its checkpoint and resumes its data elastically), and otherwise stops w
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import secrets
@@ -147,6 +148,8 @@ class ClusterDriver:
         self._server: HeartbeatServer | None = None
         self._first_beat: float | None = None  # of the current attempt, for the recovery phases
         self._stepped: dict[int, float] = {}  # rank -> when it first reported a finished step
+        self._duplicates: dict[tuple[str, Any, Any], float] = {}
+        self._arrivals = itertools.count()
 
     # --- the agents' side (server threads) ------------------------------------------------------------
     def _on_agent(self, report: dict[str, Any]) -> dict[str, Any]:
@@ -158,11 +161,15 @@ class ClusterDriver:
             if known is not None and (known.report.get("host"), known.report.get("pid")) != (
                 report.get("host"), report.get("pid")
             ) and now - known.seen < self.config.timeouts.hang_timeout:  # fmt: skip
-                return {"action": "refused", "reason": f"another agent already runs as node {node} "
-                        f"(host {known.report.get('host')}): give each node its own --node-rank"}  # fmt: skip
+                # a second agent under this name: a replacement waits until the old one is silent; two live
+                # ones are a misconfiguration, said once
+                if self._duplicates.setdefault((node, report.get("host"), report.get("pid")), now) == now:
+                    log.warning("an agent on host %s also calls itself node %s; it waits until the other is "
+                                "gone (give each node its own --node-rank)", report.get("host"), node)  # fmt: skip
+                return dict(WAIT)
             if known is None or known.report.get("pid") != report.get("pid"):
                 log.info("node %s joined (host %s)", node, report.get("host"))
-            joined = len(self.agents) if known is None else known.joined
+            joined = next(self._arrivals) if known is None else known.joined
             self.agents[node] = _Agent(report, now, joined)
             if self.verdict is not None:
                 self.verdict.acked.add(node)
@@ -254,13 +261,16 @@ class ClusterDriver:
         return {"action": "run", "attempt": attempt, "nnodes": nnodes, "endpoint": endpoint,
                 "run_id": f"{self.run_name}-{attempt}", "join_timeout": t.startup_timeout, "env": env}  # fmt: skip
 
-    def _node_fault(self, members: list[str], attempt: int) -> Fault | None:
-        """A member whose agent fell silent, or whose torchrun exited with an error no rank explained."""
+    def _node_fault(self, members: list[str], attempt: int, quiet_since: float | None = None) -> Fault | None:
+        """A member whose agent fell silent (for the hang timeout, or since ``quiet_since``: when a peer's
+        error is explained by a node that stopped reporting), or whose torchrun exited with an error no rank
+        explained."""
         now, agents = time.time(), self._snapshot()
         for node in members:
             agent = agents[node]
             host = str(agent.report.get("host", "?"))
-            if now - agent.seen > self.config.timeouts.hang_timeout:
+            silent = quiet_since is not None and agent.seen < quiet_since
+            if silent or now - agent.seen > self.config.timeouts.hang_timeout:
                 message = (
                     f"node {node}'s agent silent for {now - agent.seen:.1f} s (its machine or agent is gone)"
                 )
@@ -289,7 +299,7 @@ class ClusterDriver:
                 # a peer may be the cause: give the agents a few reports to say a process is gone
                 time.sleep(max(3 * POLL_S, 2 * c.timeouts.heartbeat_interval))
                 fault = monitor.check() or fault
-                cause = self._node_fault(members, attempt)
+                cause = self._node_fault(members, attempt, quiet_since=fault.detected)
                 fault = cause if fault.kind == "exception" and cause is not None else fault
             fault = fault or self._node_fault(members, attempt)
             if fault is not None:
@@ -366,9 +376,13 @@ class ClusterDriver:
 
     # --- the run ----------------------------------------------------------------------------------------
     def _blame(self, fault: Fault) -> None:
-        """Count the fault against its node; the same kind ``evict_after`` times evicts the node."""
+        """Count the fault against its node; the same kind ``evict_after`` times evicts the node. A lost
+        node's agent is forgotten: it (or its replacement) joins again as a new agent."""
         if fault.node is None:
             return
+        if fault.kind == "node-lost":
+            with self._lock:
+                self.agents.pop(fault.node, None)
         kinds = self.faults.setdefault(fault.node, [])
         kinds.append(fault.kind)
         if kinds.count(fault.kind) >= self.config.evict_after:
