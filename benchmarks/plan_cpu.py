@@ -1,13 +1,17 @@
 """Benchmark the planner's step time on this machine: predicted (from ``--calibrate``'s figures) vs measured.
 
-``megascale.core.plan.calibrate.measure`` times this machine's matmul rate, memory copy and gloo all-reduce
-with one thread per rank; ``cpu_cluster`` makes those a cluster of ``--ranks`` CPU ranks. Then, for three
+``megascale.core.plan.calibrate.measure`` times this machine's matmul rate, memory copy, gloo all-reduce
+bandwidth and the latency of one small collective call and of one send/receive, with one thread per rank;
+``cpu_cluster`` makes those a cluster of CPU ranks (every collective call pays the measured latency, nothing
+overlaps compute: gloo runs on the ranks' own cores). Then, for three
 layouts of a small GPT on 2 ranks (dp2 ZeRO-1, tp2 with sequence parallelism, pp2 1F1B with 4 microbatches),
 one run per layout spawns the ranks (gloo, one torch thread each), trains AdamW steps through megascale's
 ``parallelize`` (forward, backward, the ZeRO hooks, the optimizer) and takes the median step time after
 warm-up; the planner predicts the same layout. The ratio measured / predicted is reported, not gated: on two
-cores the ranks share the machine with gloo's threads, and the model leaves out per-collective latency,
-Python and kernel-launch overheads, which dominate at these sizes.
+cores the ranks share the machine with gloo's threads (and with whatever else runs), and the model leaves out
+Python and kernel-launch overheads, the copies that regroup tensor-parallel chunks, and ranks waiting for each
+other, which weigh at these sizes. The calibration and the runs are minutes apart: on a busy machine their
+ratio moves with the load.
 
     python benchmarks/plan_cpu.py
     python benchmarks/plan_cpu.py --d-model 512 --seq-len 512 --steps 5
@@ -21,6 +25,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -104,19 +109,25 @@ def main() -> None:
     calibration = measure(threads=1, ranks=world)
     print(f"calibration (1 thread per rank): matmul {calibration.matmul_flops / 1e9:.1f} GFLOP/s, memory copy "
           f"{calibration.memory_bandwidth / 1e9:.2f} GB/s, gloo all-reduce bus bandwidth "
-          f"{calibration.allreduce_bandwidth / 1e9:.2f} GB/s ({world} ranks)")  # fmt: skip
+          f"{calibration.allreduce_bandwidth / 1e9:.2f} GB/s ({world} ranks), {calibration.call_latency * 1e6:.0f} µs "
+          f"per collective call, {calibration.p2p_latency * 1e6:.0f} µs per send/receive")  # fmt: skip
     cluster = cpu_cluster(calibration, world)
+    # the model before per-call latency: bytes only, and overlap hiding communication as on a GPU
+    bytes_only = cpu_cluster(replace(calibration, call_latency=0.0, p2p_latency=0.0), world)
+    bytes_only = replace(bytes_only, gpu=replace(bytes_only.gpu, overlap=True))
     workload = Workload(_config(args), seq_len=args.seq_len, global_batch=args.batch, precision="32-true",
                         kernels=Kernels.cpu())  # fmt: skip
     print(f"GPT d_model={args.d_model}, {args.layers} blocks, vocab {args.vocab}, global batch {args.batch} × "
           f"{args.seq_len} tokens, AdamW fp32; median of {args.steps} steps after {args.warmup}")  # fmt: skip
-    print(f"{'layout':<14} {'measured ms':>11} {'predicted ms':>12} {'measured/predicted':>18}  predicted: compute / "
-          "TP / PP+bubble / DP / optimizer ms")  # fmt: skip
+    print(f"{'layout':<14} {'measured ms':>11} {'predicted ms':>12} {'measured/predicted':>18} {'(bytes only)':>12}  "
+          "predicted: compute / TP / PP+bubble / DP / optimizer ms")  # fmt: skip
     for name, kw in LAYOUTS.items():
         plan = ParallelPlan(**kw)
         dp = world // (plan.tp * plan.pp)
         micro = args.batch // dp // (plan.microbatches if plan.pp > 1 else 1)
-        step = predict_step(workload, Layout(plan, dp=dp, micro_batch_size=micro), cluster)
+        layout = Layout(plan, dp=dp, micro_batch_size=micro)
+        step = predict_step(workload, layout, cluster)
+        old = predict_step(workload, layout, bytes_only).step_time
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "median")
             os.environ["OMP_NUM_THREADS"] = "1"
@@ -125,7 +136,7 @@ def main() -> None:
         parts = " / ".join(f"{1e3 * v:.0f}" for v in (step.compute, step.tp_comm, step.pp_comm + step.bubble,
                                                        step.dp_comm, step.optimizer))  # fmt: skip
         print(f"{name:<14} {1e3 * measured:>11.0f} {1e3 * step.step_time:>12.0f} "
-              f"{measured / step.step_time:>18.2f}  {parts}")  # fmt: skip
+              f"{measured / step.step_time:>18.2f} {measured / old:>12.2f}  {parts}")  # fmt: skip
 
 
 if __name__ == "__main__":

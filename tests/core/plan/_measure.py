@@ -17,7 +17,8 @@ measures, from the tensors themselves:
 
 from __future__ import annotations
 
-from typing import Any
+from contextlib import nullcontext
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -27,6 +28,7 @@ from megascale.core._dtensor import local
 from megascale.core.memory_meter import SavedTensorMeter, storages_of
 from megascale.core.parallel import ParallelPlan, parallelize
 from megascale.core.parallel.activation_checkpoint import checkpoint_targets
+from tests._models import Head, LayeredLM, MLPBlock
 
 
 def _nbytes(tensors: Any) -> int:
@@ -92,9 +94,26 @@ class _CheckpointInputs:
             h.remove()
 
 
+class PlannedLM(LayeredLM):
+    """A model of the user's own (plain torch: embedding, residual MLP blocks, head) declaring how tensor
+    parallelism splits it, for ``megascale.core.plan.module``."""
+
+    tensor_parallel_plan: ClassVar[dict[str, str]] = {
+        "embed": "rowwise",
+        "blocks.*.norm": "sequence_parallel",
+        "blocks.*.up": "colwise",
+        "blocks.*.down": "rowwise",
+        "head.norm": "sequence_parallel",
+        "head.proj": "colwise_rep",
+    }
+
+    def __init__(self, vocab: int = 128, width: int = 64, layers: int = 4) -> None:
+        super().__init__(vocab, width, [MLPBlock(width) for _ in range(layers)], Head(width, vocab))
+
+
 def measure_layouts(rank: int, world: int, cases: list[dict], batch: int, seq: int) -> list[dict]:
-    """Per case (``plan``: ParallelPlan kwargs, ``config``: GPTConfig kwargs, ``precision``), this rank's bytes
-    and its mesh coordinates; ``batch`` sequences per data-parallel rank."""
+    """Per case (``plan``: ParallelPlan kwargs, ``config``: GPTConfig kwargs, or ``own``: ``PlannedLM`` kwargs,
+    ``precision``), this rank's bytes and its mesh coordinates; ``batch`` sequences per data-parallel rank."""
     out = []
     for case in cases:
         kw, config = case["plan"], case["config"]
@@ -103,7 +122,8 @@ def measure_layouts(rank: int, world: int, cases: list[dict], batch: int, seq: i
         mesh = plan.dims(world).build_mesh("cpu")
         torch.manual_seed(0)
         with torch.device("meta"):
-            model = GPT(GPTConfig(**config))
+            model = PlannedLM(**case["own"]) if "own" in case else GPT(GPTConfig(**config))
+        vocab = case["own"]["vocab"] if "own" in case else config["vocab_size"]
         runtime = parallelize(model, plan, mesh, device="cpu", param_dtype=torch.bfloat16 if mixed else None)
         dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -116,7 +136,7 @@ def measure_layouts(rank: int, world: int, cases: list[dict], batch: int, seq: i
         result: dict[str, Any] = {}
         for step in range(2):
             gen = torch.Generator().manual_seed(step)
-            tokens = torch.randint(0, config["vocab_size"], (batch * dp, seq), generator=gen)
+            tokens = torch.randint(0, vocab, (batch * dp, seq), generator=gen)
             tokens = tokens[dp_rank * batch : (dp_rank + 1) * batch].clone()  # its own storage, no larger
             targets = tokens.roll(-1, dims=1)
             meter = None
@@ -149,4 +169,39 @@ def measure_layouts(rank: int, world: int, cases: list[dict], batch: int, seq: i
         result["coords"] = {d: mesh[d].get_local_rank() for d in ("dp", "pp", "tp")}
         out.append(result)
         runtime.zero.remove()
+    return out
+
+
+def count_tp_calls(
+    rank: int, world: int, cases: list[dict[str, Any]], batch: int, seq: int
+) -> list[dict[str, int]]:
+    """For each case (a GPT config and a tensor-parallel plan over every rank): the collective calls one
+    forward and backward issues on this rank, counted by the profiler's c10d ops after a warm-up step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    out = []
+    for case in cases:
+        plan = ParallelPlan(**case["plan"])
+        mesh = plan.dims(world).build_mesh("cpu")
+        torch.manual_seed(0)
+        with torch.device("meta"):
+            model = GPT(GPTConfig(**case["config"]))
+        parallelize(model, plan, mesh, device="cpu")
+        tokens = torch.randint(
+            0, model.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0)
+        )
+
+        for profiled in (False, True):  # a warm-up step, then the counted one
+            with (
+                profile(activities=[ProfilerActivity.CPU], record_shapes=False)
+                if profiled
+                else nullcontext() as prof
+            ):
+                model(tokens, tokens.roll(-1, 1)).backward()
+            model.zero_grad(set_to_none=True)
+        counts: dict[str, int] = {}
+        for event in prof.key_averages():
+            if event.key.startswith("c10d::") and "barrier" not in event.key:
+                counts[event.key] = event.count
+        out.append(counts)
     return out

@@ -13,7 +13,7 @@ from megascale.core import GPTConfig
 from megascale.core.plan import ClusterSpec, Fixed, Workload, gpu_spec, search
 from megascale.core.plan.calibrate import (
     cpu_cluster,
-    measure_allreduce,
+    measure_collectives,
     measure_matmul,
     measure_memory_bandwidth,
 )
@@ -96,11 +96,14 @@ def test_cli_reads_a_model_file_and_refuses_bad_input(tmp_path, capsys: pytest.C
 def test_calibration_measures_this_machine_and_plans_cpu_ranks() -> None:
     assert measure_matmul(n=256, repeats=2) > 1e8
     assert measure_memory_bandwidth(mib=16, repeats=2) > 1e8
-    bus = measure_allreduce(ranks=2, mib=1, repeats=2)
+    bus, call, p2p = measure_collectives(ranks=2, mib=1, repeats=2)
     assert bus > 1e6
+    assert 0 < call < 1.0 and 0 < p2p < 1.0  # seconds of one small call, one send/receive
     from megascale.core.plan.calibrate import Calibration
 
-    cluster = cpu_cluster(Calibration(measure_matmul(n=256, repeats=2), 5e9, bus, 1, 2, "float32"), ranks=2)
+    calibration = Calibration(measure_matmul(n=256, repeats=2), 5e9, bus, 1, 2, "float32", call, p2p)
+    cluster = cpu_cluster(calibration, ranks=2)
+    assert cluster.gpu.call_latency == call and cluster.gpu.p2p_latency == p2p and not cluster.gpu.overlap
     workload = Workload(GPTConfig(vocab_size=256, d_model=64, n_layers=4, n_heads=4, max_seq_len=64), seq_len=64,
                         global_batch=8, precision="32-true")  # fmt: skip
     ranked = search(workload, cluster)

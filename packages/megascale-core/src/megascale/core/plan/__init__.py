@@ -6,7 +6,9 @@
 
 Memory (``memory.py``, ``activations.py``) is checked tensor by tensor against CPU runs (``tests/core/plan``);
 throughput (``throughput.py``) against Megatron-LM 2021's published table (``published.py``,
-``benchmarks/plan_megatron.py``). ``megascale plan`` is the command line (``cli.py``).
+``benchmarks/plan_megatron.py``). ``megascale plan`` is the command line (``cli.py``). A Hugging Face config.json (Llama, Qwen2, Qwen3, Mistral)
+plans as the GPTConfig it converts to; a module of your own plans its memory from its parameters, its
+``tensor_parallel_plan`` and one measured micro-batch (``module.py``: ``module_memory``).
 """
 
 from megascale.core.plan.activations import ActivationModel
@@ -23,6 +25,7 @@ from megascale.core.plan.cluster import (
 )
 from megascale.core.plan.layout import OPTIMIZER_STATES, Kernels, Layout, Runtime, Workload
 from megascale.core.plan.memory import MemoryEstimate, RankMemory, predict_memory, rank_memory
+from megascale.core.plan.module import RankMemoryOfModule, measure_activations, module_memory
 from megascale.core.plan.search import Candidate, Fixed, enumerate_layouts, search
 from megascale.core.plan.throughput import StepEstimate, predict_step
 
@@ -42,12 +45,15 @@ __all__ = [
     "Layout",
     "MemoryEstimate",
     "RankMemory",
+    "RankMemoryOfModule",
     "Runtime",
     "StepEstimate",
     "Workload",
     "enumerate_layouts",
     "gpu_spec",
+    "measure_activations",
     "memory_warning",
+    "module_memory",
     "predict_memory",
     "predict_step",
     "rank_memory",

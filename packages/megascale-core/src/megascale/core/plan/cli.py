@@ -74,8 +74,8 @@ def _parser() -> argparse.ArgumentParser:
         "--emit-config", type=Path, metavar="OUT.yaml", help="write a LightningCLI config for the first"
     )
     o.add_argument("--calibrate", action="store_true",
-                   help="measure this machine's matmul rate, memory and gloo all-reduce bandwidth; with a model, "
-                   "plan CPU ranks with those figures")  # fmt: skip
+                   help="measure this machine's matmul rate, memory, gloo all-reduce bandwidth and call latencies; with "
+                   "a model, plan CPU ranks with those figures")  # fmt: skip
     return p
 
 
@@ -128,7 +128,9 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({"calibration": calibration.to_dict()}, indent=2) if ns.json else
                   f"this machine, 1 thread per rank: matmul {calibration.matmul_flops / 1e9:.1f} GFLOP/s "
                   f"({calibration.dtype}), memory copy {calibration.memory_bandwidth / 1e9:.1f} GB/s, gloo all-reduce "
-                  f"bus bandwidth {calibration.allreduce_bandwidth / 1e9:.2f} GB/s among {calibration.ranks} ranks")  # fmt: skip
+                  f"bus bandwidth {calibration.allreduce_bandwidth / 1e9:.2f} GB/s among {calibration.ranks} ranks, "
+                  f"{calibration.call_latency * 1e6:.0f} µs per collective call, {calibration.p2p_latency * 1e6:.0f} µs "
+                  "per send/receive")  # fmt: skip
         if config is None:
             return 0
     if config is None:

@@ -12,6 +12,13 @@ three efficiencies, stated here once for every kind:
 - ``memory_efficiency``: the fraction of HBM bandwidth elementwise kernels reach (0.85, a STREAM-like figure).
 - ``link_efficiency``: the fraction of link bandwidth NCCL's ring collectives reach as bus bandwidth (0.8,
   nccl-tests' typical busbw over NVLink and InfiniBand).
+
+Every collective call also pays a latency (the alpha of t = alpha + bytes / bandwidth; ``comm.py`` counts the
+calls as the runtime issues them). On GPU clusters it is NCCL's own cost model for its ring algorithm with the
+Simple protocol, the one large messages take (NVIDIA/nccl ``src/graph/tuning.cc``: ``baseLat`` 8.4 µs per
+call, ``hwLat`` 3.4 µs per ring step over NVLink and 9.6 µs per step over the network), the same for the three
+kinds (NCCL's table does not tell A100 from H100). A point-to-point transfer is taken as one call of one step.
+On this machine ``calibrate.py`` measures them (a small gloo all-reduce, a gloo send/receive).
 """
 
 from __future__ import annotations
@@ -21,7 +28,12 @@ from dataclasses import dataclass, replace
 __all__ = ["A100_80GB", "GPUS", "H100_SXM", "H200", "MATMUL_EFFICIENCY", "ClusterSpec", "GPUSpec", "gpu_spec"]
 
 #: the calibration: fraction of peak FLOP/s the GEMMs of a training step reach (fitted on the Megatron table)
-MATMUL_EFFICIENCY = 0.68
+MATMUL_EFFICIENCY = 0.70
+
+# NCCL's latency model, ring algorithm, Simple protocol (NVIDIA/nccl src/graph/tuning.cc: baseLat, hwLat)
+NCCL_CALL_LATENCY = 8.4e-6  # seconds per collective call
+NVLINK_STEP_LATENCY = 3.4e-6  # seconds per ring step between GPUs of a node
+NETWORK_STEP_LATENCY = 9.6e-6  # seconds per ring step between nodes (InfiniBand / RoCE)
 
 _G = 1e9
 _T = 1e12
@@ -40,6 +52,13 @@ class GPUSpec:
         matmul_efficiency: fraction of ``peak_flops`` sustained by the GEMMs.
         memory_efficiency: fraction of ``memory_bandwidth`` sustained by elementwise kernels.
         link_efficiency: fraction of a link's bandwidth a collective reaches.
+        call_latency: seconds every collective call costs whatever its size (NCCL's base latency).
+        nvlink_latency: seconds per ring step between GPUs of one node.
+        p2p_latency: seconds of a point-to-point transfer inside a node beyond its bytes; None: one call of
+            one NVLink step.
+        overlap: whether communication issued asynchronously runs beside compute (GPUs: NCCL kernels on their
+            own SMs). False for CPU ranks: gloo moves the bytes on the cores the ranks compute on, so nothing
+            is hidden (``calibrate.cpu_cluster``).
     """
 
     name: str
@@ -50,6 +69,10 @@ class GPUSpec:
     matmul_efficiency: float = MATMUL_EFFICIENCY
     memory_efficiency: float = 0.85
     link_efficiency: float = 0.8
+    call_latency: float = NCCL_CALL_LATENCY
+    nvlink_latency: float = NVLINK_STEP_LATENCY
+    p2p_latency: float | None = None
+    overlap: bool = True
 
 
 A100_80GB = GPUSpec("a100-80gb", peak_flops=312 * _T, memory_bytes=80 * _G, memory_bandwidth=2039 * _G,
@@ -83,6 +106,7 @@ class ClusterSpec:
             None: the reference system's for ``gpu`` (8 adapters of 200 Gb/s for A100, 400 Gb/s for H100/H200).
         usable_memory_fraction: what a layout may use of each GPU's memory; the rest is left to the CUDA
             context, NCCL's buffers and the caching allocator's fragmentation.
+        network_latency: seconds per ring step between nodes (NCCL's model for InfiniBand; module docstring).
     """
 
     gpu: GPUSpec
@@ -90,6 +114,7 @@ class ClusterSpec:
     gpus_per_node: int = 8
     network_bandwidth: float | None = None
     usable_memory_fraction: float = 0.9
+    network_latency: float = NETWORK_STEP_LATENCY
 
     def __post_init__(self) -> None:
         if self.gpus < 1 or self.gpus_per_node < 1:

@@ -11,7 +11,13 @@ Per microbatch and block on one GPU (N = b·s tokens, t = tp; Narayanan et al. 2
 - Recomputation: "full" repeats each block's forward in backward, "selective" the attention core's.
 - Tensor parallelism: per block, one all-reduce forward and one backward per column/row pair without sequence
   parallelism (two pairs in a sequential block, one in a parallel block), all-gather + reduce-scatter with it
-  (plus the backward's re-gather of the saved input shard); ``overlap_tp_comm`` hides all but one chunk.
+  (plus the backward's re-gather of the saved input shard); ``overlap_tp_comm`` hides all but one chunk
+  (on a cluster whose GPUs overlap communication at all: not CPU ranks, whose gloo threads share their cores).
+  Every collective call also pays the cluster's latency (``comm.py``), counted as ``parallel.overlap`` and
+  ``tp_comm`` issue them: per column/row pair, with c chunks, SP runs c all-gathers + c reduce-scatters
+  forward and 1 + 2c backward, no SP c all-reduces forward and one backward; the replicated norm weights (and
+  row-parallel biases) under SP and q/k norms always all-reduce their gradients; the embedding one or two
+  calls, the head its column-parallel projection's and the vocab-parallel loss's two all-reduces.
 - Pipeline: a step takes (M + (P-1)/V)·t_mb, t_mb being the slowest pipeline rank's time per microbatch (the
   last stage also computes the logits): the bubble (P-1)/(V·M) of Narayanan et al. 2021 §2.2, taken on the
   mean rank. Activations between stages go tp-scattered over the network (their §4.1); megascale's decoupled
@@ -20,7 +26,8 @@ Per microbatch and block on one GPU (N = b·s tokens, t = tp; Narayanan et al. 2
   all-gather of the new values that the next forward overlaps; ZeRO-2/3: reduce-scatter, and parameter
   all-gathers per step, or per microbatch forward and backward for ZeRO-3, prefetched). With
   ``overlap_grad_reduce`` the reduction runs under the last microbatch's backward, and only what exceeds it
-  (at least one bucket) is exposed.
+  (at least one bucket) is exposed. One call per gradient bucket (ZeRO-0/1) or ZeRO unit (ZeRO-2/3; ZeRO-3
+  gathers each unit forward and backward of every microbatch).
 - Optimizer: 32 bytes of HBM traffic per fp32 parameter it steps (read parameter, gradient, two moments,
   write three, and the clipping norm's read).
 
@@ -34,13 +41,14 @@ from dataclasses import asdict, dataclass
 
 from megascale.core.config import GPTConfig
 from megascale.core.model.gpt import flops_per_token
+from megascale.core.parallel.plan import ParallelPlan
 from megascale.core.plan.cluster import ClusterSpec
-from megascale.core.plan.comm import Group, all_reduce_time, gather_time, p2p_time
+from megascale.core.plan.comm import Group, all_reduce_time, call_latency, gather_time, p2p_time
 from megascale.core.plan.layout import OPTIMIZER_STATES, Layout, Workload
 from megascale.core.plan.schedule import bubble_fraction
-from megascale.core.plan.shapes import Stage, stages_of_rank
+from megascale.core.plan.shapes import Stage, block_parameters, stages_of_rank
 
-__all__ = ["StepEstimate", "block_matmul_parameters", "predict_step"]
+__all__ = ["StepEstimate", "TPCalls", "block_matmul_parameters", "predict_step", "tp_collective_calls"]
 
 
 @dataclass(frozen=True)
@@ -117,6 +125,50 @@ class _Costs:
                       self.attention_bytes + other.attention_bytes)  # fmt: skip
 
 
+@dataclass(frozen=True)
+class TPCalls:
+    """Tensor-parallel collective calls one microbatch issues through a piece of the model, forward and
+    backward: all-gathers and reduce-scatters (``gathers``), all-reduces (``reduces``)."""
+
+    gathers_fwd: int
+    reduces_fwd: int
+    gathers_bwd: int
+    reduces_bwd: int
+
+    @property
+    def total(self) -> int:
+        return self.gathers_fwd + self.reduces_fwd + self.gathers_bwd + self.reduces_bwd
+
+
+def tp_collective_calls(config: GPTConfig, plan: ParallelPlan) -> dict[str, TPCalls]:
+    """The calls of one block, the embedding and the head on a tp rank, as ``parallel.overlap``,
+    ``parallel.tensor_parallel`` and ``parallel.cross_entropy`` issue them (no recomputation; module docstring).
+    Empty without tensor parallelism."""
+    if plan.tp <= 1:
+        return {}
+    c = plan.tp_comm_chunks if plan.overlap_tp_comm else 1
+    pairs = 1 if config.parallel_block else 2  # column/row-parallel pairs per block
+    norm_tensors = 2 if config.norm == "layernorm" and config.bias else 1
+    # q/k norms see this rank's heads only: their gradients are summed with or without SP
+    qk = 2 * norm_tensors if config.qk_norm else 0
+    if plan.sequence_parallel:
+        # replicated weights applied to sequence shards: each sums its gradient over tp
+        norms = (1 if config.parallel_block else 2) * norm_tensors + (pairs if config.bias else 0)
+        return {
+            # column: c all-gathers; backward re-gathers the input once and reduce-scatters c pieces;
+            # row: c reduce-scatters; backward all-gathers c pieces of the output gradient
+            "block": TPCalls(2 * c * pairs, 0, (1 + 2 * c) * pairs, norms + qk),
+            "embedding": TPCalls(1, 0, 1, 0),  # reduce-scatter the partial rows; all-gather their gradient
+            "head": TPCalls(c, 2, 1 + c, norm_tensors),  # the projection, the loss's max and sums; final norm
+        }
+    return {
+        # row: c all-reduces forward; column: one all-reduce of its replicated input's gradient
+        "block": TPCalls(0, c * pairs, 0, pairs + qk),
+        "embedding": TPCalls(0, 1, 0, 0),
+        "head": TPCalls(0, 2, 0, 1),
+    }
+
+
 class _Model:
     """The per-microbatch costs of ``workload`` under ``layout`` on ``cluster``."""
 
@@ -185,13 +237,26 @@ class _Model:
             return 2.0 * pairs, 3.0 * pairs  # AG + RS; RS + AG + the input's re-gather
         return 2.0 * pairs, 2.0 * pairs  # an all-reduce (two units) each way
 
+    def tp_latency(self) -> dict[str, tuple[float, float]]:
+        """Seconds of call latency of one microbatch's tensor-parallel collectives, (forward, backward), per
+        block, embedding and head (``tp_collective_calls``)."""
+        group = Group.of(self.t, 1, self.c.gpus_per_node)
+        g, ar = call_latency(group, self.c), call_latency(group, self.c, all_reduce=True)
+        return {
+            name: (c.gathers_fwd * g + c.reduces_fwd * ar, c.gathers_bwd * g + c.reduces_bwd * ar)
+            for name, c in tp_collective_calls(self.cfg, self.plan).items()
+        }
+
     def stage_time(self, stage: Stage) -> tuple[float, float, float, float]:
         """(forward, backward, recomputation, exposed TP communication) seconds of one microbatch."""
         ac = self.plan.activation_checkpointing
         fwd = bwd = rec = 0.0
         tp_group = Group.of(self.t, 1, self.c.gpus_per_node)
-        unit_time = gather_time(self.n * self.cfg.d_model * self.cb, tp_group, self.c)
+        # bytes of one N·D all-gather; the latency of every call is added from tp_latency
+        unit_time = gather_time(self.n * self.cfg.d_model * self.cb, tp_group, self.c, calls=0)
         units_f, units_b = self.tp_units_per_block()
+        calls = self.tp_latency()
+        lat_f, lat_b = calls.get("block", (0.0, 0.0))
         tp_total = 0.0
         for layer in stage.blocks:
             window = self.cfg.window_for_layer(layer)  # blocks differ only by their attention window
@@ -203,17 +268,21 @@ class _Model:
             bwd += 2 * tf
             if ac == "full":
                 rec += tf
-                tp_total += units_f * unit_time
+                tp_total += units_f * unit_time + lat_f
             elif ac == "selective":
                 rec += self._time(cost.attention, cost.attention_bytes)
-            tp_total += (units_f + units_b) * unit_time
-        for piece, present in ((self.embedding(), stage.first), (self.head(), stage.last)):
+            tp_total += (units_f + units_b) * unit_time + lat_f + lat_b
+        for name, piece, present in (
+            ("embedding", self.embedding(), stage.first),
+            ("head", self.head(), stage.last),
+        ):
             if present:
                 tf = self._time(piece.gemm, piece.bytes)
                 fwd += tf
                 bwd += 2 * tf
-                tp_total += 2 * unit_time
-        exposed_tp = tp_total / self.plan.tp_comm_chunks if self.plan.overlap_tp_comm else tp_total
+                tp_total += 2 * unit_time + sum(calls.get(name, (0.0, 0.0)))
+        hidden = self.plan.overlap_tp_comm and self.c.gpu.overlap
+        exposed_tp = tp_total / self.plan.tp_comm_chunks if hidden else tp_total
         return fwd, bwd, rec, exposed_tp
 
     def p2p_time(self) -> float:
@@ -251,10 +320,12 @@ def predict_step(workload: Workload, layout: Layout, cluster: ClusterSpec) -> St
     pp_comm = 0.0
     if p > 1:  # fill and drain: one activation and one gradient per boundary
         pp_comm = 2 * (p - 1) * model.p2p_time()
-        if not workload.runtime.overlap_p2p:  # and every chunk waits for its input and its gradient
+        if not (workload.runtime.overlap_p2p and cluster.gpu.overlap):  # every chunk waits for its transfers
             pp_comm += m * v * 2 * model.p2p_time()
 
-    dp_comm = _data_parallel(workload, layout, cluster, params, fwd, bwd)
+    slowest_stages = stages_of_rank(cfg, p, plan.virtual_stages, slowest, plan.pipeline_split)
+    calls = _dp_calls(workload, layout, slowest_stages)
+    dp_comm = _data_parallel(workload, layout, cluster, params, fwd, bwd, calls)
     k = OPTIMIZER_STATES[workload.optimizer]
     stepped = params / layout.dp if (plan.zero_stage >= 1 and layout.dp > 1) else params
     hbm = cluster.gpu.memory_bandwidth * cluster.gpu.memory_efficiency
@@ -269,10 +340,50 @@ def predict_step(workload: Workload, layout: Layout, cluster: ClusterSpec) -> St
     )  # fmt: skip
 
 
+def _dp_calls(workload: Workload, layout: Layout, stages: list[Stage]) -> int:
+    """Data-parallel collective calls per reduction on a rank holding ``stages``: ZeRO-2/3 one per unit
+    (consecutive blocks up to the bucket size, the embedding, the head: ``zero.fsdp.group_layers``); ZeRO-0/1
+    one per gradient bucket, packed as ``zero.grad_reduce`` packs them: weight matrices in backward order up to
+    the bucket size, a larger one alone. Norms and biases are left out: exact for megascale's bias-free block;
+    where biases sit between matrices larger than a bucket they open buckets of their own, which this undercounts
+    (up to 2x: a GPT-3 block of width 2048 at 10 MB buckets has 51, counted 26; tests/core/plan/test_comm_model.py)."""
+    cfg, plan = workload.model, layout.plan
+    capacity = plan.bucket_size_mb * 2**20
+    if plan.zero_stage >= 2:
+        block_bytes = 4 * block_parameters(cfg, plan.tp)
+        per_unit = max(1, int(capacity // block_bytes)) if capacity > 0 else 1
+        return sum(-(-len(s.blocks) // per_unit) + s.first + s.last for s in stages)
+    d, t, el = cfg.d_model, plan.tp, workload.runtime.reduce_bytes
+    q, kv, f = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.ffn_dim
+    block = [d * f, d * f] + ([d * f] if cfg.activation == "swiglu" else []) + [q * d, d * kv, d * kv, d * q]
+    vocab = cfg.padded_vocab_size * d
+    tensors: list[float] = []
+    for s in reversed(stages):
+        if s.last and not (cfg.tie_embeddings and s.first):
+            tensors.append(vocab)
+        tensors += [n for _ in s.blocks for n in block]
+        if s.first:
+            tensors.append(vocab)
+    buckets, filled = 0, capacity + 1.0
+    for n in tensors:
+        size = n / t * el
+        if filled + size > capacity:
+            buckets, filled = buckets + 1, 0.0
+        filled += size
+    return max(1, buckets)
+
+
 def _data_parallel(
-    workload: Workload, layout: Layout, cluster: ClusterSpec, params: float, fwd_mb: float, bwd_mb: float
+    workload: Workload,
+    layout: Layout,
+    cluster: ClusterSpec,
+    params: float,
+    fwd_mb: float,
+    bwd_mb: float,
+    buckets: int = 1,
 ) -> float:
-    """Exposed seconds of the data-parallel (ZeRO) communication of one step on the slowest pipeline rank."""
+    """Exposed seconds of the data-parallel (ZeRO) communication of one step on the slowest pipeline rank,
+    ``buckets`` calls per reduction or gather (the latency is paid per call)."""
     plan, dp = layout.plan, layout.dp
     if dp == 1:
         return 0.0
@@ -280,20 +391,23 @@ def _data_parallel(
     grads = params * workload.runtime.reduce_bytes
     zero = plan.zero_stage
     if zero == 0 or (zero == 1 and plan.zero1_sharding == "parameters"):
-        reduce = all_reduce_time(grads, group, cluster)
+        reduce = all_reduce_time(grads, group, cluster, calls=buckets)
     else:
-        reduce = gather_time(grads, group, cluster)
+        reduce = gather_time(grads, group, cluster, calls=buckets)
     bucket = min(1.0, plan.bucket_size_mb * 2**20 / max(grads, 1.0))
-    if plan.overlap_grad_reduce:
+    overlap = cluster.gpu.overlap  # CPU ranks: gloo moves the bytes on the cores that compute
+    if plan.overlap_grad_reduce and overlap:
         exposed = max(reduce - bwd_mb, reduce * bucket)
     else:
         exposed = reduce
     if zero == 1:  # new values: all-gathered (elements) or broadcast by owners (parameters)
-        gather = gather_time(params * 4, group, cluster) * (2 if plan.zero1_sharding == "parameters" else 1)
-        exposed += max(gather - fwd_mb, gather * bucket) if plan.overlap_param_gather else gather
+        gather = gather_time(params * 4, group, cluster, calls=buckets) * (
+            2 if plan.zero1_sharding == "parameters" else 1
+        )
+        exposed += max(gather - fwd_mb, gather * bucket) if plan.overlap_param_gather and overlap else gather
     elif zero >= 2:
-        gather = gather_time(params * workload.compute_bytes, group, cluster)
+        gather = gather_time(params * workload.compute_bytes, group, cluster, calls=buckets)
         times = 1 if zero == 2 else 2 * layout.microbatches
-        per = max(gather - fwd_mb, gather * bucket) if plan.overlap_param_gather else gather
+        per = max(gather - fwd_mb, gather * bucket) if plan.overlap_param_gather and overlap else gather
         exposed += times * per
     return exposed
