@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import copy
 import itertools
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -20,7 +23,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from megascale.core import GPT, GPTConfig, apply_tensor_parallel
-from megascale.core.parallel import vocab_parallel_cross_entropy
+from megascale.core.parallel import column_parallel_matmul, row_parallel_matmul, vocab_parallel_cross_entropy
+from megascale.core.parallel.tensor_parallel import tp_layers
 from tests._dist import run_distributed
 
 LOSS_ATOL = 5e-6
@@ -293,3 +297,96 @@ def _generate(rank: int, world_size: int) -> list[list[int]]:
 def test_generation_from_a_vocab_and_sequence_parallel_model():
     for expected, got in run_distributed(_generate, 2):
         assert got == expected
+
+
+class _WaitRecorder:
+    """A WaitTimer noting the longest wait of each kind, by pass (forward / backward)."""
+
+    def __init__(self) -> None:
+        self.phase = "forward"
+        self.longest: dict[str, dict[str, float]] = {"forward": {}, "backward": {}}
+
+    @contextmanager
+    def __call__(self, kind: str) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        seen = self.longest[self.phase]
+        seen[kind] = max(seen.get(kind, 0.0), time.perf_counter() - start)
+
+
+def _timed_collectives(rank: int, world_size: int) -> dict:
+    """The TP layers' wait timer: which kinds of wait forward and backward report, and the same losses and
+    gradients, bit for bit, as untimed."""
+    mesh = init_device_mesh("cpu", (world_size,))
+    out = {}
+    for sp in (True, False):
+        cfg = GPTConfig(**BASE, n_heads=4, parallel_block=True)
+        torch.manual_seed(0)
+        base = GPT(cfg)
+        tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
+        runs = []
+        recorder = _WaitRecorder()
+        for timed in (False, True):
+            model = apply_tensor_parallel(
+                copy.deepcopy(base), mesh, sequence_parallel=sp, overlap=True, overlap_chunks=2
+            )
+            if timed:
+                for layer in tp_layers(model):
+                    layer.wait_timer = recorder
+            recorder.phase = "forward"
+            loss = model(tokens, tokens)
+            recorder.phase = "backward"
+            loss.backward()
+            runs.append((loss.detach(), {n: p.grad.to_local() for n, p in model.named_parameters()}))
+        (loss0, grads0), (loss1, grads1) = runs
+        out[sp] = {
+            "equal": torch.equal(loss0, loss1) and all(torch.equal(grads0[n], grads1[n]) for n in grads0),
+            **{phase: set(kinds) for phase, kinds in recorder.longest.items()},
+        }
+    return out
+
+
+def _late_peer(rank: int, world_size: int) -> dict[str, dict[str, float]]:
+    """The overlapped GEMMs' waits, with rank 1 arriving 0.3 s late at each: rank 0's waits span the delay."""
+    group = init_device_mesh("cpu", (world_size,)).get_group()
+    torch.manual_seed(0)
+    x = torch.randn(2, 8, 16, requires_grad=True)  # this rank's sequence shard
+    w1, w2 = torch.randn(24, 16, requires_grad=True), torch.randn(16, 24, requires_grad=True)
+    recorder = _WaitRecorder()
+
+    def late() -> None:
+        if rank == 1:
+            time.sleep(0.3)
+
+    late()
+    (h,) = column_parallel_matmul(x, [w1], [None], group, sequence_parallel=True, chunks=2, timer=recorder)
+    late()
+    y = row_parallel_matmul([h], [w2], group, sequence_parallel=True, chunks=2, timer=recorder)
+    late()
+    z = row_parallel_matmul([x], [w2.t()], group, sequence_parallel=False, chunks=2, timer=recorder)
+    recorder.phase = "backward"
+    late()
+    (y.sum() + z.sum()).backward()
+    return recorder.longest
+
+
+def test_tensor_parallel_waits_are_timed_through_the_layers():
+    required = {"tp-reduce-scatter", "tp-all-reduce"}  # blocking collectives: always timed
+    for rank_out in run_distributed(_timed_collectives, 2):
+        sp, plain = rank_out[True], rank_out[False]
+        assert sp["equal"] and plain["equal"], rank_out  # timing changes nothing
+        # SP: all-gather before the column-parallel GEMMs, reduce-scatter after the row-parallel ones and the
+        # embedding, all-reduce in the vocabulary-parallel loss; backward mirrors them, and all-reduces the
+        # replicated norm weights' gradients. Waits on collectives that completed under the GEMMs they
+        # overlapped are not timed, so only the blocking ones must show.
+        kinds = {"tp-all-gather", "tp-reduce-scatter", "tp-all-reduce"}
+        assert required <= sp["forward"] <= kinds, sp
+        assert {"tp-all-gather", "tp-all-reduce"} <= sp["backward"] <= kinds, sp
+        assert plain["forward"] == plain["backward"] == {"tp-all-reduce"}, plain
+    rank0, rank1 = run_distributed(_late_peer, 2)
+    # the overlapped collectives' waits on the punctual rank cover its late peer's 0.3 s (gather, scatter,
+    # all-reduce in forward; the output gradient's gather in backward); the late rank waits less
+    for phase, kind in [("forward", "tp-all-gather"), ("forward", "tp-reduce-scatter"),
+                        ("forward", "tp-all-reduce"), ("backward", "tp-all-gather")]:  # fmt: skip
+        assert rank0[phase][kind] >= 0.2, (phase, kind, rank0)
+        assert rank1[phase].get(kind, 0.0) < rank0[phase][kind], (phase, kind, rank1)

@@ -1,5 +1,6 @@
 """Step timings, straggler detection and the timeline pictures: StepTimer on CPU (and with fake CUDA
-events), find_stragglers on synthetic synchronous steps, the Chrome trace, and the PNGs."""
+events), find_stragglers on synthetic synchronous steps, the Chrome trace, and the PNGs; pipeline
+microbatch sections (a bar per forward / backward per stage, never counted as waits)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from megascale.ft.stragglers import Straggler, find_stragglers, step_timings
+from megascale.ft.stragglers import Straggler, find_stragglers, is_wait, step_timings
 from megascale.ft.timeline import plot_step_heatmap, plot_timeline, write_chrome_trace
-from megascale.ft.timing import StepTimer
+from megascale.ft.timing import StepTimer, microbatch_section, parse_microbatch_section
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -316,3 +317,72 @@ def test_rows_are_grouped_by_stage_tensor_rank_and_replica(tmp_path):
     sort = {e["pid"]: e["args"]["sort_index"] for e in json.loads(path.read_text())["traceEvents"]
             if e.get("name") == "process_sort_index"}  # fmt: skip
     assert sorted(sort, key=sort.get) == order
+
+
+# --- pipeline microbatches --------------------------------------------------------------------------------
+def _pipeline(
+    stages: dict[int, tuple[int, ...]], steps: int = 4, m: int = 4
+) -> dict[int, list[dict[str, Any]]]:
+    """Two pipeline ranks running 1F1B-like steps of ``m`` microbatches per stage they hold: each rank's
+    step has a "forward" section holding every microbatch section (F then B, 10 ms each), with a receive
+    wait of 5 ms before each forward."""
+    events: dict[int, list[dict[str, Any]]] = {}
+    t0 = 1_700_000_000.0
+    per_stage = m * (0.005 + 0.02)
+    for rank, held in stages.items():
+        evs = events[rank] = []
+        step_len = 0.01 + len(held) * per_stage
+        for i in range(steps):
+            s = t0 + i * step_len
+            evs.append(_ev("step", i, s, step_len))
+            evs.append(_ev("forward", i, s + 0.005, len(held) * per_stage))
+            t = s + 0.005
+            for stage in held:
+                for mb in range(m):
+                    evs.append(_ev("wait/pipeline-recv-F", i, t, 0.005))
+                    evs.append(_ev(microbatch_section("F", mb, stage), i, t + 0.005, 0.01))
+                    evs.append(_ev(microbatch_section("B", mb, stage), i, t + 0.015, 0.01))
+                    t += 0.025
+    return events
+
+
+def test_microbatch_section_names_round_trip() -> None:
+    assert microbatch_section("F", 3, 1) == "pipeline/F3@s1"
+    assert parse_microbatch_section("pipeline/B12@s0") == ("B", 12, 0)
+    for other in ("forward", "wait/pipeline-recv-F", "pipeline/F3", "pipeline/F3@s1x"):
+        assert parse_microbatch_section(other) is None
+    assert not is_wait(microbatch_section("F", 0, 0))  # computing, never waiting
+
+
+def test_microbatch_sections_are_computation_not_waits() -> None:
+    events = _pipeline({0: (0,), 1: (1,)})
+    for timing in step_timings(events[0]):
+        assert timing.wait == pytest.approx(4 * 0.005, abs=1e-5)  # only the receive waits
+        assert timing.compute == pytest.approx(timing.dur - 4 * 0.005, abs=1e-5)
+    assert find_stragglers(events) == []
+
+
+def test_chrome_trace_nests_a_bar_per_microbatch_in_each_step(tmp_path: Path) -> None:
+    events = _pipeline({0: (0,), 1: (1, 3)})  # rank 1 holds two stages (interleaved)
+    write_chrome_trace(events, tmp_path / "t.json")
+    complete = [e for e in json.loads((tmp_path / "t.json").read_text())["traceEvents"] if e["ph"] == "X"]
+    bars = [e for e in complete if e["cat"] == "microbatch"]
+    assert len(bars) == 4 * (4 + 8) * 2  # steps × microbatches on the rank's stages × (F, B)
+    rank0 = [e for e in bars if e["pid"] == 0 and e["args"]["step"] == 1]
+    assert [e["name"] for e in rank0] == [f"{k}{mb}" for mb in range(4) for k in "FB"]
+    first = rank0[0]
+    assert first["args"] == {"step": 1, "microbatch": 0, "stage": 0, "pass": "forward"}
+    assert {e["name"] for e in bars if e["pid"] == 1} >= {"F0 s1", "B3 s3"}  # several stages: named
+    for bar in bars:  # inside its step and its "forward" section, on the rank's one thread
+        for parent in ("step", "forward"):
+            (p,) = [e for e in complete if e["pid"] == bar["pid"] and e["name"] == parent
+                    and e["args"]["step"] == bar["args"]["step"]]  # fmt: skip
+            assert p["ts"] <= bar["ts"] and bar["ts"] + bar["dur"] <= p["ts"] + p["dur"] + 1e-3
+            assert bar["tid"] == p["tid"] == 0
+    assert {e["cat"] for e in complete if e["name"] == "wait/pipeline-recv-F"} == {"wait"}
+
+
+def test_plot_timeline_draws_microbatches(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    plot_timeline(_pipeline({0: (0,), 1: (1,)}), tmp_path / "pp.png", last_steps=2)
+    _assert_png(tmp_path / "pp.png")

@@ -1,7 +1,8 @@
 """A tiny megascale GPT fitted with MegaScaleStrategy and `FaultTolerance`, under ``megascale-ft launch``.
 
     megascale-ft launch --nproc-per-node 2 -- tests/integration/_fit_megascale.py CKPT_DIR OUT.pt [--tp 2]
-        [--pp 1] [--zero-stage 1] [--every 2] [--max-bytes 20000] [--fault sigkill@STEP:RANK | slow@STEP:RANK]
+        [--pp 1] [--zero-stage 1] [--microbatches M] [--every 2] [--max-bytes 20000]
+        [--fault sigkill@STEP:RANK | slow@STEP:RANK]
 
 GPTModule (AdamW, warmup + cosine schedule, gradient clipping) on TokenDataModule (shuffled, resumable) with
 dropout drawing from each rank's own generator. A fault fires in the first attempt only
@@ -57,6 +58,7 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--zero-stage", type=int, default=1)
+    parser.add_argument("--microbatches", type=int, default=None, help="pipeline microbatches (default pp)")
     parser.add_argument("--every", type=int, default=2, help="checkpoint every this many steps")
     parser.add_argument("--max-bytes", type=int, default=20_000, help="tokens (210: 12 training windows)")
     parser.add_argument("--fault", default="")
@@ -71,8 +73,9 @@ def main() -> None:
     torch.manual_seed(100 + int(os.environ.get("RANK", "0")))  # a different dropout stream per rank
     ft = FaultTolerance(args.ckpt, every_n_steps=args.every, keep_last=2)
     strategy = MegaScaleStrategy(
-        tp=args.tp, pp=args.pp, zero_stage=args.zero_stage, timeout=ft.collective_timeout
-    )
+        tp=args.tp, pp=args.pp, zero_stage=args.zero_stage, num_microbatches=args.microbatches,
+        timeout=ft.collective_timeout,
+    )  # fmt: skip
     trainer = Trainer(
         accelerator="cpu", devices=world, strategy=strategy, max_steps=args.steps, callbacks=[ft],
         gradient_clip_val=0.5, logger=False, enable_checkpointing=False, enable_progress_bar=False,

@@ -55,6 +55,7 @@ Design choices:
 
 from __future__ import annotations
 
+import inspect
 import os
 import random
 import warnings
@@ -85,6 +86,7 @@ from megascale.ft.checkpoint import CheckpointError, TwoStageCheckpointer
 from megascale.ft.config import Timeouts
 from megascale.ft.executor import ENV, Executor
 from megascale.ft.restore import LoadStats
+from megascale.ft.timing import microbatch_section
 
 __all__ = ["FaultTolerance"]
 
@@ -168,10 +170,23 @@ class FaultTolerance(Callback):
         assert self.checkpointer is not None
         set_wait_timer = getattr(trainer.strategy, "set_wait_timer", None)
         if callable(set_wait_timer) and self.executor is not None:
-            # waits for other ranks inside a step (MegaScaleStrategy's gradient reductions and parameter
-            # gathers) become "wait/<kind>" sections: compute = step - waits then names a slow rank
+            # waits for other ranks inside a step (MegaScaleStrategy's gradient reductions, parameter
+            # gathers, pipeline receives, tensor-parallel collectives) become "wait/<kind>" sections:
+            # compute = step - waits then names a slow rank
             timer = self.executor.timer
-            set_wait_timer(lambda kind: timer.section(f"wait/{kind}"))
+
+            def waits(kind: str) -> AbstractContextManager[None]:
+                return timer.section(f"wait/{kind}")
+
+            def microbatches(kind: str, microbatch: int, stage: int) -> AbstractContextManager[None]:
+                return timer.section(microbatch_section(kind, microbatch, stage))
+
+            if "compute" in inspect.signature(set_wait_timer).parameters:
+                # and each pipeline microbatch's forward / backward a "pipeline/F3@s0" section (computing,
+                # not waiting), for the timeline's bars per microbatch and stage
+                set_wait_timer(waits, compute=microbatches)
+            else:
+                set_wait_timer(waits)
         coords = _parallel_coords(trainer.strategy)
         if coords and self.executor is not None:
             self.executor.set_coords(coords)  # the driver's timeline groups rows by (pp, tp, dp)

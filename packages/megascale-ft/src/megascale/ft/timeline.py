@@ -8,6 +8,12 @@ Reading the pictures: in synchronous training every rank's step lasts as long as
 "who waited for whom" is in the split of each step. Wait sections (`megascale.ft.stragglers.is_wait`) are
 drawn light and hatched: the ranks that waited show long wait bars, the slow rank a long compute bar. The
 heatmap colours each step by its compute time (step minus waits), the quantity stragglers are judged by.
+
+Pipeline stages: the sections of each microbatch's forward and backward (``"pipeline/F3@s1"``, see
+`megascale.ft.timing.microbatch_section`) are drawn as bars of their own inside the step, labelled ``F3`` /
+``B3`` (with the stage where a rank holds several), one colour per pass: the 1F1B pattern of every stage,
+its bubbles and the waits between microbatches show on each rank's row. They are computations, never
+counted as waits.
 """
 
 from __future__ import annotations
@@ -20,10 +26,12 @@ from dataclasses import asdict
 from typing import IO, Any
 
 from megascale.ft.stragglers import Event, Straggler, WaitPredicate, is_wait, step_timings
+from megascale.ft.timing import parse_microbatch_section
 
 __all__ = ["coordinate_order", "plot_step_heatmap", "plot_timeline", "write_chrome_trace"]
 
 _PLOTS_HINT = "pip install 'megascale-ft[plots]'"
+_PASSES = {"F": "forward", "B": "backward", "I": "input backward", "W": "weight backward"}
 
 
 def write_chrome_trace(
@@ -38,9 +46,11 @@ def write_chrome_trace(
     """Write all ranks' events as one Chrome trace (open it in https://ui.perfetto.dev or chrome://tracing).
 
     One process per rank (pid = rank, named "rank N (host)"); steps and their sections are complete events
-    nested on one thread, ``ts``/``dur`` in microseconds since the earliest event; each straggler gets an
-    instant event at the end of its last step. The file is replaced atomically. Empty ``events`` give a
-    valid trace with no events.
+    nested on one thread, ``ts``/``dur`` in microseconds since the earliest event; a pipeline microbatch's
+    section is a slice named ``F3`` / ``B3`` (``F3 s1`` on a rank holding several stages), category
+    "microbatch", with ``microbatch``, ``stage`` and ``pass`` in its args; each straggler gets an instant
+    event at the end of its last step. The file is replaced atomically. Empty ``events`` give a valid trace
+    with no events.
     """
     waits = waits or is_wait
     starts = [float(e["start"]) for evs in events.values() for e in evs]
@@ -51,13 +61,21 @@ def write_chrome_trace(
         trace.append(_meta("process_name", rank, name=_label(rank, hosts)))
         trace.append(_meta("process_sort_index", rank, sort_index=index))
         trace.append(_meta("thread_name", rank, name="steps"))
+        several = _holds_several_stages(events[rank])
         for event, ts, dur in _nested(events[rank], t0):
             name = str(event["name"])
             cat = "step" if name == "step" else "wait" if waits(name) else "section"
-            args = {"step": int(event["step"])}
+            args: dict[str, Any] = {"step": int(event["step"])}
+            shown = name
+            mb = parse_microbatch_section(name)
+            if mb is not None:
+                cat, shown = "microbatch", _microbatch_label(mb.kind, mb.microbatch, mb.stage, several)
+                args.update(
+                    microbatch=mb.microbatch, stage=mb.stage, **{"pass": _PASSES.get(mb.kind, mb.kind)}
+                )
             trace.append(
                 {
-                    "name": name,
+                    "name": shown,
                     "cat": cat,
                     "ph": "X",
                     "pid": rank,
@@ -102,8 +120,10 @@ def plot_timeline(
 ) -> None:
     """Draw a PNG timeline: x = time (s), y = rank, one bar per section coloured by name.
 
-    Steps are grey background bars; nested sections are drawn thinner; wait sections light and hatched.
-    ``last_steps`` limits the picture to the last N step numbers seen on any rank (None: everything).
+    Steps are grey background bars; nested sections are drawn thinner; wait sections light and hatched;
+    pipeline microbatches one colour per pass (forward, backward), outlined, labelled ``F3`` / ``B3`` where
+    wide enough. ``last_steps`` limits the picture to the last N step numbers seen on any rank (None:
+    everything).
 
     Raises:
         ValueError: no rank has any event.
@@ -120,18 +140,25 @@ def plot_timeline(
     steps = _step_numbers(events)
     shown = {rank: _last_steps(events[rank], steps, last_steps) for rank in ranks}
     t0 = min((float(e["start"]) for evs in shown.values() for e in evs), default=0.0)
-    names = sorted({str(e["name"]) for evs in shown.values() for e in evs} - {"step"})
+    # a colour per section name, one per pass for all the pipeline's microbatch sections
+    names = sorted({_colour_key(str(e["name"])) for evs in shown.values() for e in evs} - {"step"})
     palette = colormaps["tab10" if len(names) <= 10 else "tab20"]
     colour = {name: palette(i % palette.N) for i, name in enumerate(names)}
 
-    # One barh call per (name, depth): (rows, lefts, widths).
+    # One barh call per (colour key, depth): (rows, lefts, widths); microbatch labels drawn on top.
     bars: dict[tuple[str, int], tuple[list[int], list[float], list[float]]] = {}
+    labels: list[tuple[int, float, float, str]] = []  # row, left, width, text
     for row, rank in enumerate(ranks):
+        several = _holds_several_stages(shown[rank])
         for event, depth in _depths(shown[rank]):
-            rows, lefts, widths = bars.setdefault((str(event["name"]), depth), ([], [], []))
+            name = str(event["name"])
+            rows, lefts, widths = bars.setdefault((_colour_key(name), depth), ([], [], []))
             rows.append(row)
             lefts.append(float(event["start"]) - t0)
             widths.append(float(event["dur"]))
+            mb = parse_microbatch_section(name)
+            if mb is not None:
+                labels.append((row, lefts[-1], widths[-1], _microbatch_label(*mb, several)))
 
     fig = Figure(figsize=(12, min(40.0, 1.5 + 0.4 * len(ranks))), dpi=100)
     FigureCanvasAgg(fig)
@@ -139,6 +166,9 @@ def plot_timeline(
     for (name, depth), (rows, lefts, widths) in sorted(bars.items(), key=lambda kv: kv[0][1]):
         if name == "step":
             ax.barh(rows, widths, left=lefts, height=0.9, color="0.9", edgecolor="0.45", linewidth=0.6)
+        elif name.startswith(_MICROBATCH_KEY):  # outlined: consecutive microbatches stay apart
+            ax.barh(rows, widths, left=lefts, height=_height(depth), color=colour[name], edgecolor="white",
+                    linewidth=0.4)  # fmt: skip
         elif waits(name):
             light = (*colour[name][:3], 0.25)
             ax.barh(
@@ -153,15 +183,24 @@ def plot_timeline(
             )
         else:
             ax.barh(rows, widths, left=lefts, height=_height(depth), color=colour[name], linewidth=0)
+    span = max((left + width for _, lefts, widths in bars.values() for left, width in zip(lefts, widths)),
+               default=0.0)  # fmt: skip
+    for row, left, width, text in labels:
+        if width >= 0.006 * span * len(text):  # only where the text fits
+            ax.text(left + width / 2, row, text, ha="center", va="center", fontsize=5, color="white")
     handles = [Patch(facecolor="0.9", edgecolor="0.45", label="step (not in a section)")]
     for name in names:
         wait = waits(name)
+        label = f"{name} (waiting)" if wait else name
+        if name.startswith(_MICROBATCH_KEY):
+            kind = name.removeprefix(_MICROBATCH_KEY)
+            label = f"{_PASSES.get(kind, kind)} of a microbatch ({kind}0, {kind}1, ...)"
         handles.append(
             Patch(
                 facecolor=(*colour[name][:3], 0.25) if wait else colour[name],
                 edgecolor=colour[name],
                 hatch="///" if wait else None,
-                label=f"{name} (waiting)" if wait else name,
+                label=label,
             )
         )
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
@@ -243,6 +282,25 @@ def coordinate_order(coords: Mapping[int, Mapping[str, int]]) -> list[int]:
     data-parallel replica (ranks without coordinates last)."""
     key = ("pp", "tp", "dp")
     return sorted(coords, key=lambda r: (*(coords[r].get(k, 0) for k in key), r))
+
+
+_MICROBATCH_KEY = "pipeline microbatch "  # colour key prefix of the microbatch sections, by pass
+
+
+def _colour_key(name: str) -> str:
+    """What a section is coloured by: its name, or for a pipeline microbatch its pass ("F", "B")."""
+    mb = parse_microbatch_section(name)
+    return name if mb is None else _MICROBATCH_KEY + mb.kind
+
+
+def _holds_several_stages(events: Sequence[Event]) -> bool:
+    """Whether a rank's microbatch sections come from more than one pipeline stage (interleaved)."""
+    stages = {mb.stage for e in events if (mb := parse_microbatch_section(str(e["name"]))) is not None}
+    return len(stages) > 1
+
+
+def _microbatch_label(kind: str, microbatch: int, stage: int, several: bool) -> str:
+    return f"{kind}{microbatch} s{stage}" if several else f"{kind}{microbatch}"
 
 
 def _label(rank: int, hosts: Mapping[int, str] | None) -> str:

@@ -15,22 +15,47 @@ Design choices:
 - **Bounded memory**: at most ``max_events`` finished events are kept between drains; the oldest are
   dropped first and counted in `StepTimer.dropped`, so a driver that stops draining cannot exhaust memory.
 - `drain` may run on another thread (the heartbeat's) while the training thread records.
+- **Pipeline microbatches**: a pipeline stage's forward or backward of one microbatch is a section named
+  `microbatch_section` (``"pipeline/F3@s1"``: forward of microbatch 3 on stage 1); events stay
+  ``{"name", "step", "start", "dur"}`` and `parse_microbatch_section` reads the fields back (the timeline
+  draws them as bars per microbatch). They are computations: no wait name.
 """
 
 from __future__ import annotations
 
 import itertools
+import re
 import threading
 import time
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
-__all__ = ["StepTimer"]
+__all__ = ["MicrobatchSection", "StepTimer", "microbatch_section", "parse_microbatch_section"]
 
 STEP = "step"  # the event name of a whole step; sections may use any other name
+_MICROBATCH = re.compile(r"pipeline/([A-Z])(\d+)@s(\d+)")
+
+
+class MicrobatchSection(NamedTuple):
+    """What a pipeline microbatch section's name says."""
+
+    kind: str  # "F" forward (the loss included on the last stage), "B" backward
+    microbatch: int
+    stage: int
+
+
+def microbatch_section(kind: str, microbatch: int, stage: int) -> str:
+    """The section name of a pipeline stage's computation on one microbatch: ``"pipeline/F3@s1"``."""
+    return f"pipeline/{kind}{microbatch}@s{stage}"
+
+
+def parse_microbatch_section(name: str) -> MicrobatchSection | None:
+    """The fields of a `microbatch_section` name; None for any other name."""
+    m = _MICROBATCH.fullmatch(name)
+    return None if m is None else MicrobatchSection(m[1], int(m[2]), int(m[3]))
 
 
 @dataclass

@@ -52,7 +52,7 @@ from megascale.core.parallel.compose import CheckpointLayout, ParallelRuntime, p
 from megascale.core.parallel.grad_clip import SumGroup
 from megascale.core.parallel.mesh import ParallelDims
 from megascale.core.parallel.plan import ParallelPlan
-from megascale.core.parallel.wait_timer import WaitTimer, untimed
+from megascale.core.parallel.wait_timer import ComputeTimer, Timers, WaitTimer, untimed
 from megascale.lightning import checkpoint_io
 from megascale.lightning.memory_check import layout_memory_warning
 from megascale.lightning.pipeline_loop import PipelineLoop
@@ -505,12 +505,13 @@ class MegaScaleStrategy(ParallelStrategy):
         if message is not None:
             rank_zero_warn(f"MegaScaleStrategy: {message}")
 
-    def set_wait_timer(self, timer: WaitTimer) -> None:
+    def set_wait_timer(self, timer: WaitTimer, compute: ComputeTimer | None = None) -> None:
         """Time the waits for other ranks with ``timer`` (``megascale.core.parallel.wait_timer``): how
-        megascale-ft's ``FaultTolerance`` tells a slow rank from its waiting peers."""
-        self._wait_timer = timer
+        megascale-ft's ``FaultTolerance`` tells a slow rank from its waiting peers; and with ``compute``
+        each pipeline microbatch's forward and backward per stage (for its timeline)."""
+        self._wait_timer = timer if compute is None else Timers(timer, compute)
         if self._runtime is not None:
-            self._runtime.set_wait_timer(timer)
+            self._runtime.set_wait_timer(self._wait_timer)
 
     def random_streams_state(self) -> dict[str, Tensor] | None:
         """This rank's model-parallel dropout streams (``megascale.core.parallel.rng``; None with tp = pp = 1),

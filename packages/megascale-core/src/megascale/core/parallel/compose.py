@@ -52,7 +52,7 @@ from megascale.core.parallel.materialize import has_meta_tensors, materialize
 from megascale.core.parallel.mesh import MESH_DIMS, ParallelDims
 from megascale.core.parallel.plan import ParallelPlan
 from megascale.core.parallel.rng import ModelParallelRNG
-from megascale.core.parallel.wait_timer import WaitTimer
+from megascale.core.parallel.wait_timer import WaitTimed, WaitTimer
 from megascale.core.parallel.zero import UnitTree, ZeroRuntime, apply_zero
 
 if TYPE_CHECKING:
@@ -87,6 +87,8 @@ class ParallelRuntime:
     #: the dropout streams of tp / pp layouts (``megascale.core.parallel.rng``); None with tp = pp = 1
     rng: ModelParallelRNG | None = None
     notes: list[str] = field(default_factory=list)
+    #: this rank's tensor-parallel layers (``tensor_parallel.tp_layers``): where the TP collectives wait
+    tp_layers: list[WaitTimed] = field(default_factory=list)
 
     @property
     def grad_norm_group(self) -> SumGroup:
@@ -115,11 +117,15 @@ class ParallelRuntime:
 
     def set_wait_timer(self, timer: WaitTimer) -> None:
         """Time the waits for other ranks (``wait_timer.py``): ZeRO-0/1's gradient reduction left after
-        backward, ZeRO-1's parameter gathers, the decoupled pipeline schedules' receives and sends.
-        (Tensor-parallel collectives, torch's GPipe schedule and FSDP2's waits are not timed yet.)"""
+        backward, ZeRO-1's parameter gathers, the decoupled pipeline schedules' receives and sends, the
+        collectives of megascale's tensor-parallel layers; and, when ``timer`` is a ``Timers``, the decoupled
+        schedules' per-microbatch forwards and backwards. (Layers split by a ``tensor_parallel_plan``,
+        torch's GPipe schedule and FSDP2's waits are not timed yet.)"""
         self.zero.set_wait_timer(timer)
         if self.pipeline is not None:
             self.pipeline.set_wait_timer(timer)
+        for layer in self.tp_layers:  # each hands it to its autograd functions, for backward's waits
+            layer.wait_timer = timer
 
     def checkpoint_layout(self) -> CheckpointLayout:
         partial = self.dims.pp > 1 or self.zero.checkpoint_partial
@@ -191,6 +197,11 @@ def parallelize(
             param_dtype=param_dtype, accumulations=plan.microbatches if stages else 1, zero1_root=module,
             zero1_sharding=plan.zero1_sharding,
         )  # fmt: skip
+    tp_layers: list[WaitTimed] = []
+    if dims.tp > 1:  # found after the pipeline split: only this rank's stages
+        from megascale.core.parallel.tensor_parallel import tp_layers as find_tp_layers
+
+        tp_layers = find_tp_layers(module)
     pipeline = None
     if stages:  # 6.
         from megascale.core.parallel.pipeline import build_pipeline
@@ -202,8 +213,9 @@ def parallelize(
         for note in notes:
             warnings.warn(note, stacklevel=2)
     return ParallelRuntime(
-        plan=plan, dims=dims, mesh=mesh, zero=zero, pipeline=pipeline, rng=rng, notes=notes
-    )
+        plan=plan, dims=dims, mesh=mesh, zero=zero, pipeline=pipeline, rng=rng, notes=notes,
+        tp_layers=tp_layers,
+    )  # fmt: skip
 
 
 def _model_parallel_rng(

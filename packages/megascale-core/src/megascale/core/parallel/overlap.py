@@ -20,6 +20,11 @@ Pieces are taken from each rank's sequence shard, so piece c of every rank forms
 result lands in place; rows are only regrouped, never reordered within a GEMM's dot products.
 Several weights may share one input (Q, K, V, gate, up) and several inputs may feed one sum (attention
 and MLP outputs of a parallel block): one collective serves all of them.
+
+Every wait on a collective runs inside the caller's ``timer`` (``wait_timer.py``) as a wait of kind
+``"tp-all-gather"``, ``"tp-reduce-scatter"`` or ``"tp-all-reduce"`` (straggler detection); only the wait,
+never the GEMMs overlapping it, and only when the collective has not completed by then (one that finished
+under the GEMMs cost no waiting). The default times nothing.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
 from megascale.core.parallel.tp_comm import all_gather_flat, reduce_scatter_flat
+from megascale.core.parallel.wait_timer import WaitTimer, untimed
 
 __all__ = ["column_parallel_matmul", "row_parallel_matmul"]
 
@@ -59,6 +65,16 @@ def _spans(length: int, chunks: int) -> list[tuple[int, int]]:
     return spans
 
 
+def _wait(work: dist.Work, timer: WaitTimer, kind: str) -> None:
+    """Wait for ``work``, timed as a wait of ``kind`` unless it had already completed (under the GEMMs it
+    overlapped): only real waits become timer sections, which keeps a timeline's event count down."""
+    if work.is_completed():
+        work.wait()
+    else:
+        with timer(kind):
+            work.wait()
+
+
 def _start_gather(piece: torch.Tensor, tp: int, group: ProcessGroup) -> tuple[torch.Tensor, dist.Work]:
     piece = piece.contiguous()
     buf = piece.new_empty((tp * piece.shape[0], *piece.shape[1:]))
@@ -68,14 +84,14 @@ def _start_gather(piece: torch.Tensor, tp: int, group: ProcessGroup) -> tuple[to
 
 
 def _gather_in_pieces(
-    x: torch.Tensor, spans: list[tuple[int, int]], tp: int, group: ProcessGroup
+    x: torch.Tensor, spans: list[tuple[int, int]], tp: int, group: ProcessGroup, timer: WaitTimer
 ) -> Iterator[tuple[int, int, torch.Tensor]]:
     """Yield (offset, size, all-gathered piece) for each span of x's sequence dimension; the all-gather of
     piece c+1 is in flight while the caller computes on piece c."""
     pending = _start_gather(x[:, spans[0][0] : spans[0][0] + spans[0][1]], tp, group)
     for c, (off, size) in enumerate(spans):
         buf, work = pending
-        work.wait()
+        _wait(work, timer, "tp-all-gather")
         if c + 1 < len(spans):
             nxt_off, nxt_size = spans[c + 1]
             pending = _start_gather(x[:, nxt_off : nxt_off + nxt_size], tp, group)
@@ -119,7 +135,7 @@ def _weight_grads(
 
 class _AllGatherMatmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, chunks, n, *params):
+    def forward(ctx, x, group, timer, chunks, n, *params):
         dtype = _compute_dtype(x)
         x, weights, biases = x.to(dtype), _cast(params[:n], dtype), _cast(params[n:], dtype)
         tp = dist.get_world_size(group)
@@ -127,17 +143,17 @@ class _AllGatherMatmul(torch.autograd.Function):
         spans = _spans(Ts, chunks)
         if len(spans) == 1:
             buf, work = _start_gather(x, tp, group)
-            work.wait()
+            _wait(work, timer, "tp-all-gather")
             rows = _position_major(buf, tp).view(B, tp * Ts, D)
             outs = [F.linear(rows, w, b) for w, b in zip(weights, biases)]
         else:
             outs = [x.new_empty(B, tp * Ts, w.shape[0]) for w in weights]
-            for off, size, buf in _gather_in_pieces(x, spans, tp, group):
+            for off, size, buf in _gather_in_pieces(x, spans, tp, group, timer):
                 rows = _position_major(buf, tp)  # (B, tp, size, D)
                 for out, w, b in zip(outs, weights, biases):
                     _by_position(out, tp)[:, :, off : off + size] = F.linear(rows, w, b)
         ctx.save_for_backward(x, *params[:n])
-        ctx.group, ctx.spans, ctx.has_bias = group, spans, [b is not None for b in biases]
+        ctx.group, ctx.timer, ctx.spans, ctx.has_bias = group, timer, spans, [b is not None for b in biases]
         return tuple(outs)
 
     @staticmethod
@@ -157,23 +173,24 @@ class _AllGatherMatmul(torch.autograd.Function):
             out = x.new_empty(B, size, D)
             work = reduce_scatter_flat(out, _rank_major(part), group=group, async_op=True)
             scatters.append((off, size, out, work))
-        x_work.wait()
+        _wait(x_work, ctx.timer, "tp-all-gather")
         x_rows = _position_major(x_all, tp).view(-1, D)  # rows in sequence order, as g.view(-1, N)
         grad_w, grad_b = _weight_grads(grads, x_rows, ctx.has_bias)
         grad_x = x.new_empty(B, Ts, D)
         for off, size, out, work in scatters:
-            work.wait()
+            _wait(work, ctx.timer, "tp-reduce-scatter")
             grad_x[:, off : off + size] = out
-        return grad_x, None, None, None, *grad_w, *grad_b
+        return grad_x, None, None, None, None, *grad_w, *grad_b
 
 
 class _CopyMatmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, overlap, n, *params):
+    def forward(ctx, x, group, timer, overlap, n, *params):
         dtype = _compute_dtype(x)
         x, weights, biases = x.to(dtype), _cast(params[:n], dtype), _cast(params[n:], dtype)
         ctx.save_for_backward(x, *params[:n])
-        ctx.group, ctx.overlap, ctx.has_bias = group, overlap, [b is not None for b in biases]
+        ctx.group, ctx.timer, ctx.overlap = group, timer, overlap
+        ctx.has_bias = [b is not None for b in biases]
         return tuple(F.linear(x, w, b) for w, b in zip(weights, biases))
 
     @staticmethod
@@ -184,16 +201,20 @@ class _CopyMatmul(torch.autograd.Function):
         grad_x = sum(g @ w for g, w in live)
         grad_x = grad_x if isinstance(grad_x, torch.Tensor) else torch.zeros_like(x)
         grad_x = grad_x.contiguous()
-        work = dist.all_reduce(grad_x, group=ctx.group, async_op=ctx.overlap)
+        # overlapped: in flight under the weight-gradient GEMMs; otherwise done (and timed) right here
+        work = dist.all_reduce(grad_x, group=ctx.group, async_op=True) if ctx.overlap else None
+        if work is None:
+            with ctx.timer("tp-all-reduce"):
+                dist.all_reduce(grad_x, group=ctx.group)
         grad_w, grad_b = _weight_grads(grads, x.reshape(-1, x.shape[-1]), ctx.has_bias)
         if work is not None:
-            work.wait()
-        return grad_x, None, None, None, *grad_w, *grad_b
+            _wait(work, ctx.timer, "tp-all-reduce")
+        return grad_x, None, None, None, None, *grad_w, *grad_b
 
 
 class _MatmulReduceScatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, group, chunks, n, *params):
+    def forward(ctx, group, timer, chunks, n, *params):
         dtype = _compute_dtype(params[0])
         xs, weights = _cast(params[:n], dtype), _cast(params[n:], dtype)
         tp = dist.get_world_size(group)
@@ -214,15 +235,15 @@ class _MatmulReduceScatter(torch.autograd.Function):
             work = reduce_scatter_flat(out, _rank_major(part), group=group, async_op=True)
             scatters.append((off, size, out, work))  # the next piece's GEMM overlaps this reduce-scatter
         if len(scatters) == 1:
-            scatters[0][3].wait()
+            _wait(scatters[0][3], timer, "tp-reduce-scatter")
             y = scatters[0][2]
         else:
             y = xs[0].new_empty(B, Ts, D)
             for off, size, out, work in scatters:
-                work.wait()
+                _wait(work, timer, "tp-reduce-scatter")
                 y[:, off : off + size] = out
         ctx.save_for_backward(*xs, *params[n:])
-        ctx.group, ctx.spans, ctx.n = group, spans, n
+        ctx.group, ctx.timer, ctx.spans, ctx.n = group, timer, spans, n
         return y
 
     @staticmethod
@@ -235,19 +256,19 @@ class _MatmulReduceScatter(torch.autograd.Function):
         B, Ts, D = grad_y.shape
         g_all = grad_y.new_empty(B, tp, Ts, D)  # the full output gradient, in sequence order
         grad_xs = [x.new_empty(B, tp * Ts, x.shape[-1]) for x in xs]
-        for off, size, buf in _gather_in_pieces(grad_y, spans, tp, group):
+        for off, size, buf in _gather_in_pieces(grad_y, spans, tp, group, ctx.timer):
             g = _position_major(buf, tp)  # (B, tp, size, D)
             g_all[:, :, off : off + size] = g
             for gx, w in zip(grad_xs, weights):
                 _by_position(gx, tp)[:, :, off : off + size] = g @ w
         g_rows = g_all.view(-1, D)
         grad_w = [g_rows.t() @ x.reshape(-1, x.shape[-1]) for x in xs]
-        return None, None, None, *grad_xs, *grad_w
+        return None, None, None, None, *grad_xs, *grad_w
 
 
 class _MatmulAllReduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, group, chunks, n, *params):
+    def forward(ctx, group, timer, chunks, n, *params):
         dtype = _compute_dtype(params[0])
         xs, weights = _cast(params[:n], dtype), _cast(params[n:], dtype)
         spans = _spans(xs[0].shape[1], chunks)
@@ -258,7 +279,7 @@ class _MatmulAllReduce(torch.autograd.Function):
             part = part.contiguous()
             reduces.append((part, dist.all_reduce(part, group=group, async_op=True)))
         for _, work in reduces:
-            work.wait()
+            _wait(work, timer, "tp-all-reduce")
         ctx.save_for_backward(*xs, *params[n:])
         ctx.n = n
         return torch.cat([part for part, _ in reduces], dim=1)
@@ -271,7 +292,7 @@ class _MatmulAllReduce(torch.autograd.Function):
         g_rows = grad_y.reshape(-1, grad_y.shape[-1])
         grad_xs = [grad_y @ w for w in weights]
         grad_w = [g_rows.t() @ x.reshape(-1, x.shape[-1]) for x in xs]
-        return None, None, None, *grad_xs, *grad_w
+        return None, None, None, None, *grad_xs, *grad_w
 
 
 def column_parallel_matmul(
@@ -282,14 +303,16 @@ def column_parallel_matmul(
     *,
     sequence_parallel: bool,
     chunks: int,
+    timer: WaitTimer = untimed,
 ) -> tuple[torch.Tensor, ...]:
     """x W_i^T + b_i for each local weight shard; x is this rank's sequence shard under SP, else replicated.
 
-    ``chunks`` > 1 overlaps the communication with the GEMMs; 1 runs them one after the other.
+    ``chunks`` > 1 overlaps the communication with the GEMMs; 1 runs them one after the other. ``timer``
+    spans each wait on a collective (see the module docstring).
     """
     if sequence_parallel:
-        return _AllGatherMatmul.apply(x, group, chunks, len(weights), *weights, *biases)
-    return _CopyMatmul.apply(x, group, chunks > 1, len(weights), *weights, *biases)
+        return _AllGatherMatmul.apply(x, group, timer, chunks, len(weights), *weights, *biases)
+    return _CopyMatmul.apply(x, group, timer, chunks > 1, len(weights), *weights, *biases)
 
 
 def row_parallel_matmul(
@@ -299,8 +322,10 @@ def row_parallel_matmul(
     *,
     sequence_parallel: bool,
     chunks: int,
+    timer: WaitTimer = untimed,
 ) -> torch.Tensor:
-    """Σ_i x_i W_i^T summed over the group: reduce-scattered to sequence shards under SP, else all-reduced."""
+    """Σ_i x_i W_i^T summed over the group: reduce-scattered to sequence shards under SP, else all-reduced.
+    ``timer`` spans each wait on a collective (see the module docstring)."""
     if sequence_parallel:
-        return _MatmulReduceScatter.apply(group, chunks, len(xs), *xs, *weights)
-    return _MatmulAllReduce.apply(group, chunks, len(xs), *xs, *weights)
+        return _MatmulReduceScatter.apply(group, timer, chunks, len(xs), *xs, *weights)
+    return _MatmulAllReduce.apply(group, timer, chunks, len(xs), *xs, *weights)

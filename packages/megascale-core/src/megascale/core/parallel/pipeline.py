@@ -239,7 +239,8 @@ class Pipeline:
         return self._schedules[key]
 
     def set_wait_timer(self, timer: WaitTimer) -> None:
-        """Time the decoupled schedules' waits on receives and sends with ``timer``."""
+        """Time the decoupled schedules' waits on receives and sends with ``timer`` (and, a ``Timers``, each
+        microbatch's forward and backward)."""
         self.wait_timer = timer
         for schedule in self._schedules.values():
             schedule.wait_timer = timer
@@ -274,7 +275,9 @@ class Pipeline:
         loss = torch.stack([x.detach().float() for x in losses]).mean() / scale if self.has_last else None
         if loss is None:
             loss = torch.zeros((), dtype=torch.float32, device=self.device)
-        dist.broadcast(loss, src=self.last_rank, group=self.group)  # every stage logs the same loss
+        # every stage logs the same loss; the last stage waits here for the first stages' last backward
+        with self.wait_timer("pipeline-loss"):
+            dist.broadcast(loss, src=self.last_rank, group=self.group)
         return loss
 
     @torch.no_grad()

@@ -77,7 +77,9 @@
 #      early never overwrites data still in use.
 #
 # Instrumentation: with a ScheduleTimeline attached, the stages' computations are recorded (F, B), and so
-# are post_recv_F / post_recv_B (instants), wait_recv_F / wait_recv_B and wait_send_F / wait_send_B.
+# are post_recv_F / post_recv_B (instants), wait_recv_F / wait_recv_B and wait_send_F / wait_send_B. The
+# Pipeline's wait_timer spans the waits and, a ``Timers``, each microbatch's forward and backward on each of
+# this rank's stages (as for ScheduleDecoupled1F1B, pipeline_schedules.py).
 
 from __future__ import annotations
 
@@ -96,7 +98,14 @@ from torch.distributed.pipelining.schedules import (
 )
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
-from megascale.core.parallel.pipeline_schedules import ScheduleTimeline, _post, _SendQueue, _timed_wait
+from megascale.core.parallel.pipeline_schedules import (
+    ScheduleTimeline,
+    _computing,
+    _post,
+    _SendQueue,
+    _timed_wait,
+)
+from megascale.core.parallel.wait_timer import WaitTimer, compute_timer, untimed
 
 __all__ = [
     "ScheduleDecoupledInterleaved1F1B",
@@ -216,6 +225,8 @@ class ScheduleDecoupledInterleaved1F1B(ScheduleInterleaved1F1B):
         self.recv_lookahead = recv_lookahead
         #: Set by ScheduleTimeline.attach; None (the default) records nothing.
         self.timeline: ScheduleTimeline | None = None
+        #: Times the waits (and, a ``Timers``, the microbatches): set by the Pipeline (see the header)
+        self.wait_timer: WaitTimer = untimed
         assert self.pipeline_order_with_comms is not None
         #: torch's plan with every receive moved earlier (prefetch_receives): what _step_microbatches runs
         self.pipeline_order_with_comms = {
@@ -273,6 +284,7 @@ class ScheduleDecoupledInterleaved1F1B(ScheduleInterleaved1F1B):
         fwd_sends = {s: _SendQueue(never, "F", self, s) for s in stages}
         bwd_sends = {s: _SendQueue(never, "B", self, s) for s in stages}
         backward_counter: Counter[int] = Counter()
+        compute = compute_timer(self.wait_timer)
 
         for action in self.pipeline_order_with_comms[self.rank]:
             kind, s, mb = action.computation_type, action.stage_index, action.microbatch_index
@@ -303,10 +315,11 @@ class ScheduleDecoupledInterleaved1F1B(ScheduleInterleaved1F1B):
                     if ("F", s, mb) not in received:
                         raise AssertionError(f"computing {action} before its receive was posted")
                     _timed_wait(received.pop(("F", s, mb)), self, "wait_recv_F", mb, s)
-                output = stage.forward_one_chunk(
-                    mb, arg_mbs[mb], kwarg_mbs[mb], save_forward_output=return_outputs
-                )
-                self._maybe_compute_loss(stage, output, target_mbs, mb, loss_kwargs)
+                with _computing(compute, "F", mb, s):
+                    output = stage.forward_one_chunk(
+                        mb, arg_mbs[mb], kwarg_mbs[mb], save_forward_output=return_outputs
+                    )
+                    self._maybe_compute_loss(stage, output, target_mbs, mb, loss_kwargs)
                 if s + 1 in stages:  # adjacent stages on one rank (P = 1): handed over, as torch does
                     stages[s + 1].set_local_fwd_input(output, mb)
                 del output
@@ -321,12 +334,13 @@ class ScheduleDecoupledInterleaved1F1B(ScheduleInterleaved1F1B):
                     # complete, waiting on it returns at once and releases the tensor
                     fwd_sends[s].wait_through(mb)
                 backward_counter[s] += 1
-                stage.backward_one_chunk(
-                    mb,
-                    loss=self._maybe_get_loss(stage, mb),
-                    full_backward=True,
-                    last_backward=backward_counter[s] == n,
-                )
+                with _computing(compute, "B", mb, s):
+                    stage.backward_one_chunk(
+                        mb,
+                        loss=self._maybe_get_loss(stage, mb),
+                        full_backward=True,
+                        last_backward=backward_counter[s] == n,
+                    )
                 if s - 1 in stages:
                     stages[s - 1].set_local_bwd_input(stage.get_local_bwd_output(mb), mb)
             elif kind == _T.UNSHARD:

@@ -72,6 +72,11 @@
 # stages are not wrapped at all. The bubble fraction of a rank over a step window [t0, t1] is
 # 1 - (time inside [t0, t1] covered by that rank's computations) / (t1 - t0).
 #
+# Wait timer (straggler detection and the run's timeline, wait_timer.py): the Pipeline sets ``wait_timer``
+# on its schedules; the decoupled schedules call it around every receive and send wait ("pipeline-recv-F",
+# ...) and, when it is a ``Timers``, its ``compute`` around every microbatch's forward (loss included) and
+# backward ("F" / "B", microbatch, stage). Untimed (the default): one nullcontext per action.
+#
 # The interleaved (virtual-stage) schedule: torch's ScheduleInterleaved1F1B already posts sends and receives as
 # separate actions (its runtime plans SEND_F / RECV_F / SEND_B / RECV_B) and waits sends only at the end;
 # pipeline_interleaved.py (ScheduleDecoupledInterleaved1F1B) prefetches its receives, one P2P tag (gloo) or
@@ -82,7 +87,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -96,7 +101,7 @@ from torch.distributed.pipelining.schedules import (
 )
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
-from megascale.core.parallel.wait_timer import untimed
+from megascale.core.parallel.wait_timer import ComputeTimer, WaitTimer, compute_timer, untimed
 
 __all__ = [
     "COMPUTE_KINDS",
@@ -387,11 +392,17 @@ def _timed_wait(works: list[dist.Work], schedule: _Recording, name: str, mb: int
     through the schedule's ``wait_timer`` (set by the Pipeline; straggler detection) as "pipeline-<name>"."""
     tl = schedule.timeline
     start = tl.clock() if tl is not None else 0.0
-    with getattr(schedule, "wait_timer", untimed)(f"pipeline-{name.removeprefix('wait_')}"):
+    timer: WaitTimer = getattr(schedule, "wait_timer", untimed)
+    with timer(f"pipeline-{name.removeprefix('wait_')}"):
         for w in works:
             w.wait()
     if tl is not None:
         tl.record(name, start, tl.clock(), mb, stage)
+
+
+def _computing(compute: ComputeTimer | None, kind: str, mb: int, stage: int) -> AbstractContextManager[None]:
+    """The span of one microbatch's computation for the schedule's compute timer (nothing without one)."""
+    return nullcontext() if compute is None else compute(kind, mb, stage)
 
 
 def _one_f_one_b_order(
@@ -467,6 +478,8 @@ class ScheduleDecoupled1F1B(PipelineScheduleSingle):
         self.recv_lookahead = recv_lookahead
         #: Set by ScheduleTimeline.attach; None (the default) records nothing.
         self.timeline: ScheduleTimeline | None = None
+        #: Times the waits (and, a ``Timers``, the microbatches): set by the Pipeline (see the header)
+        self.wait_timer: WaitTimer = untimed
 
         group = stage.group if stage.group is not None else dist.group.WORLD
         assert group is not None
@@ -534,19 +547,23 @@ class ScheduleDecoupled1F1B(PipelineScheduleSingle):
         # Post the first receives of both directions now: the gradients for B0 then land while warmup runs.
         fwd_recvs.post_through(self.recv_lookahead)
         bwd_recvs.post_through(self.recv_lookahead)
+        compute = compute_timer(self.wait_timer)
 
         for kind, mb in _one_f_one_b_order(s, self._num_stages, n, has_backward):
             if kind == "F":
                 fwd_recvs.wait(mb)
-                output = stage.forward_one_chunk(
-                    mb, arg_mbs[mb], kwarg_mbs[mb], save_forward_output=return_outputs
-                )
-                fwd_sends.push(mb, _post(stage.get_fwd_send_ops(mb), self._fwd_group))  # fire, don't wait
-                self._maybe_compute_loss(stage, output, target_mbs, mb, loss_kwargs)
+                with _computing(compute, "F", mb, s):
+                    output = stage.forward_one_chunk(
+                        mb, arg_mbs[mb], kwarg_mbs[mb], save_forward_output=return_outputs
+                    )
+                    fwd_sends.push(mb, _post(stage.get_fwd_send_ops(mb), self._fwd_group))  # fire, don't wait
+                    self._maybe_compute_loss(stage, output, target_mbs, mb, loss_kwargs)
                 del output  # the last stage's logits: the loss's graph keeps what backward needs
             else:
                 bwd_recvs.wait(mb)
-                stage.backward_one_chunk(mb, loss=self._maybe_get_loss(stage, mb), last_backward=mb == n - 1)
+                with _computing(compute, "B", mb, s):
+                    loss = self._maybe_get_loss(stage, mb)
+                    stage.backward_one_chunk(mb, loss=loss, last_backward=mb == n - 1)
                 bwd_sends.push(mb, _post(stage.get_bwd_send_ops(mb), self._bwd_group))
         # Leave nothing in flight (every receive has been consumed above; the drains are a safety net). Not
         # done when a computation raised: the peers would never send what this rank still expects, and

@@ -20,6 +20,10 @@ all-gather / reduce-scatter become identity / all-reduce:
     head: norm on shards → [all-gather T] → logits for this rank's vocabulary columns
     loss: vocabulary-parallel cross-entropy (``cross_entropy.py``)
 
+Waits: every layer issuing a collective holds a ``wait_timer`` (``wait_timer.py``; untimed by default) that
+spans its blocking waits in forward and backward (``ParallelRuntime.set_wait_timer`` sets it on the layers
+``tp_layers`` finds): a rank slow to reach a collective shows as ``tp-...`` waits on its peers.
+
 Dropout: all ranks of a TP group start from the same RNG state (the strategy seeds them alike), so dropout
 on replicated activations matches across ranks; on sequence shards each rank masks its own tokens.
 """
@@ -47,6 +51,7 @@ from megascale.core.parallel.tp_comm import (
     reduce_from_tp_region,
     reduce_scatter_to_sp_region,
 )
+from megascale.core.parallel.wait_timer import WaitTimed, WaitTimer, untimed
 
 __all__ = [
     "ColumnParallelLinear",
@@ -57,6 +62,7 @@ __all__ = [
     "VocabParallelEmbedding",
     "apply_tensor_parallel",
     "local",
+    "tp_layers",
 ]
 
 
@@ -83,9 +89,11 @@ class _Distributor:
 
 
 class _OnTPMesh:
-    """TP modules keep the mesh (picklable, so models deep-copy) and derive the process group from it."""
+    """TP modules keep the mesh (picklable, so models deep-copy) and derive the process group from it, and
+    a ``wait_timer`` for their collectives' waits, which their autograd functions carry into backward."""
 
     mesh: DeviceMesh
+    wait_timer: WaitTimer
 
     @property
     def group(self) -> dist.ProcessGroup:
@@ -106,7 +114,7 @@ class ColumnParallelLinear(_OnTPMesh, FanOutLinear):
             self, dict(dense.items())
         )  # keep the Projection children: same state-dict keys
         self.fused_bias = dense.fused_bias
-        self.mesh = distribute.mesh
+        self.mesh, self.wait_timer = distribute.mesh, untimed
         self.sequence_parallel, self.chunks = sequence_parallel, chunks
         for _, proj in self.projections():
             distribute(proj, "weight", [Shard(0)])
@@ -116,8 +124,9 @@ class ColumnParallelLinear(_OnTPMesh, FanOutLinear):
         weights = [local(p.weight) for _, p in self.projections()]
         biases = [None if name in self.fused_bias else local(p.bias) for name, p in self.projections()]
         return column_parallel_matmul(
-            x, weights, biases, self.group, sequence_parallel=self.sequence_parallel, chunks=self.chunks
-        )
+            x, weights, biases, self.group, sequence_parallel=self.sequence_parallel, chunks=self.chunks,
+            timer=self.wait_timer,
+        )  # fmt: skip
 
     def bias_of(self, name: str) -> torch.Tensor | None:
         return local(super().bias_of(name))
@@ -133,7 +142,7 @@ class RowParallelLinear(_OnTPMesh, FanInLinear):
     def __init__(self, dense: FanInLinear, distribute: _Distributor, *, sequence_parallel: bool, chunks: int):
         nn.ModuleDict.__init__(self, dict(dense.items()))
         self.bias = dense.bias
-        self.mesh = distribute.mesh
+        self.mesh, self.wait_timer = distribute.mesh, untimed
         self.sequence_parallel, self.chunks = sequence_parallel, chunks
         for _, proj in self.projections():
             distribute(proj, "weight", [Shard(1)])
@@ -142,22 +151,27 @@ class RowParallelLinear(_OnTPMesh, FanInLinear):
     def forward(self, *xs: torch.Tensor) -> torch.Tensor:
         weights = [local(p.weight) for _, p in self.projections()]
         y = row_parallel_matmul(
-            list(xs), weights, self.group, sequence_parallel=self.sequence_parallel, chunks=self.chunks
-        )
+            list(xs), weights, self.group, sequence_parallel=self.sequence_parallel, chunks=self.chunks,
+            timer=self.wait_timer,
+        )  # fmt: skip
         bias = local(self.bias)
         if bias is None:
             return y
-        return y + (copy_to_tp_region(bias, self.group) if self.sequence_parallel else bias)
+        if not self.sequence_parallel:
+            return y + bias
+        return y + copy_to_tp_region(bias, self.group, timer=self.wait_timer)
 
     def extra_repr(self) -> str:
         return f"sequence_parallel={self.sequence_parallel}, chunks={self.chunks}"
 
 
-def _replicated_weight(w: torch.Tensor | None, group: dist.ProcessGroup, sum_grads: bool):
+def _replicated_weight(
+    w: torch.Tensor | None, group: dist.ProcessGroup, sum_grads: bool, timer: WaitTimer
+) -> torch.Tensor | None:
     # When each rank's gradient covers only a part (its tokens under SP, its heads inside attention), the
     # backward all-reduce makes it whole.
     w = local(w)
-    return copy_to_tp_region(w, group) if (w is not None and sum_grads) else w
+    return copy_to_tp_region(w, group, timer=timer) if (w is not None and sum_grads) else w
 
 
 class TensorParallelRMSNorm(_OnTPMesh, RMSNorm):
@@ -169,12 +183,12 @@ class TensorParallelRMSNorm(_OnTPMesh, RMSNorm):
     ) -> None:
         nn.Module.__init__(self)
         self.eps, self.backend, self.weight = dense.eps, dense.backend, dense.weight
-        self.mesh, self.sequence_parallel = distribute.mesh, sequence_parallel
+        self.mesh, self.sequence_parallel, self.wait_timer = distribute.mesh, sequence_parallel, untimed
         self.sum_grads = sequence_parallel or per_head
         distribute(self, "weight", [Replicate()])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = _replicated_weight(self.weight, self.group, self.sum_grads)
+        w = _replicated_weight(self.weight, self.group, self.sum_grads, self.wait_timer)
         return kernels.rms_norm(x, w, self.eps, backend=self.backend)
 
 
@@ -187,14 +201,14 @@ class TensorParallelLayerNorm(_OnTPMesh, LayerNorm):
     ) -> None:
         nn.Module.__init__(self)
         self.eps, self.backend, self.weight, self.bias = dense.eps, dense.backend, dense.weight, dense.bias
-        self.mesh, self.sequence_parallel = distribute.mesh, sequence_parallel
+        self.mesh, self.sequence_parallel, self.wait_timer = distribute.mesh, sequence_parallel, untimed
         self.sum_grads = sequence_parallel or per_head
         distribute(self, "weight", [Replicate()])
         distribute(self, "bias", [Replicate()])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = _replicated_weight(self.weight, self.group, self.sum_grads)
-        b = _replicated_weight(self.bias, self.group, self.sum_grads)
+        w = _replicated_weight(self.weight, self.group, self.sum_grads, self.wait_timer)
+        b = _replicated_weight(self.bias, self.group, self.sum_grads, self.wait_timer)
         return kernels.layer_norm(x, w, b, self.eps, backend=self.backend)
 
 
@@ -205,7 +219,7 @@ class VocabParallelEmbedding(_OnTPMesh, TokenEmbedding):
     def __init__(self, dense: TokenEmbedding, distribute: _Distributor, *, sequence_parallel: bool) -> None:
         nn.Module.__init__(self)
         self.weight, self.dropout = dense.weight, dense.dropout
-        self.mesh, self.sequence_parallel = distribute.mesh, sequence_parallel
+        self.mesh, self.sequence_parallel, self.wait_timer = distribute.mesh, sequence_parallel, untimed
         distribute(self, "weight", [Shard(0)])
         rows = self.weight.shape[0] // distribute.mesh.size()
         self.vocab_start = distribute.mesh.get_local_rank() * rows
@@ -217,9 +231,9 @@ class VocabParallelEmbedding(_OnTPMesh, TokenEmbedding):
         x = nn.functional.embedding(ids.masked_fill(outside, 0), weight)
         x = x.masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel:
-            x = reduce_scatter_to_sp_region(x, self.group)
+            x = reduce_scatter_to_sp_region(x, self.group, timer=self.wait_timer)
         else:
-            x = reduce_from_tp_region(x, self.group)
+            x = reduce_from_tp_region(x, self.group, timer=self.wait_timer)
         return self.dropout(x)
 
 
@@ -229,7 +243,7 @@ class VocabParallelCrossEntropy(_OnTPMesh, NextTokenLoss):
     def __init__(self, dense: NextTokenLoss, mesh: DeviceMesh, padded_vocab_size: int) -> None:
         nn.Module.__init__(self)
         self.vocab_size, self.ignore_index, self.backend = dense.vocab_size, dense.ignore_index, dense.backend
-        self.mesh = mesh
+        self.mesh, self.wait_timer = mesh, untimed
         self.vocab_start = mesh.get_local_rank() * (padded_vocab_size // mesh.size())
 
     def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
@@ -246,7 +260,14 @@ class VocabParallelCrossEntropy(_OnTPMesh, NextTokenLoss):
             vocab_start=self.vocab_start,
             vocab_size=self.vocab_size,
             ignore_index=self.ignore_index,
+            timer=self.wait_timer,
         )
+
+
+def tp_layers(module: nn.Module) -> list[WaitTimed]:
+    """The tensor-parallel layers inside ``module`` (``apply_tensor_parallel``'s): each holds the
+    ``wait_timer`` of its collectives."""
+    return [m for m in module.modules() if isinstance(m, _OnTPMesh)]
 
 
 def apply_tensor_parallel(

@@ -9,6 +9,10 @@ Activations are (B, T, ...); the sequence-parallel (SP) shard of rank r holds po
 
 ``copy_to_tp_region`` also serves replicated weights used on sequence shards (norms, row-parallel biases under
 SP): each rank's gradient covers only its tokens, and the backward all-reduce makes it the full gradient.
+
+Each takes a ``timer`` (``wait_timer.py``) that spans the blocking collective of forward and backward as a
+wait of kind ``"tp-all-reduce"``, ``"tp-all-gather"`` or ``"tp-reduce-scatter"`` (straggler detection);
+the layer calling them owns it. Default: untimed.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
+
+from megascale.core.parallel.wait_timer import WaitTimer, untimed
 
 __all__ = [
     "all_gather_flat",
@@ -37,16 +43,17 @@ reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduc
 every rank's r-th block."""
 
 
-def all_gather_seq(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+def all_gather_seq(x: torch.Tensor, group: ProcessGroup, *, timer: WaitTimer = untimed) -> torch.Tensor:
     """(B, T/tp, ...) shards → (B, T, ...), rank order along the sequence."""
     tp = dist.get_world_size(group)
     x = x.contiguous()
     out = x.new_empty((tp * x.shape[0], *x.shape[1:]))
-    all_gather_flat(out, x, group=group)
+    with timer("tp-all-gather"):
+        all_gather_flat(out, x, group=group)
     return out.view(tp, *x.shape).movedim(0, 1).flatten(1, 2)  # (B, tp, T/tp, ...) → (B, T, ...)
 
 
-def reduce_scatter_seq(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+def reduce_scatter_seq(x: torch.Tensor, group: ProcessGroup, *, timer: WaitTimer = untimed) -> torch.Tensor:
     """(B, T, ...) partial sums → this rank's (B, T/tp, ...) shard of their total."""
     tp = dist.get_world_size(group)
     B, T = x.shape[:2]
@@ -57,68 +64,77 @@ def reduce_scatter_seq(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
         )
     chunks = x.reshape(B, tp, T // tp, *x.shape[2:]).movedim(1, 0).contiguous()  # (tp, B, T/tp, ...)
     out = x.new_empty(chunks.shape[1:])
-    reduce_scatter_flat(out, chunks.flatten(0, 1), group=group)
+    with timer("tp-reduce-scatter"):
+        reduce_scatter_flat(out, chunks.flatten(0, 1), group=group)
     return out
 
 
 class _CopyToRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-        ctx.group = group
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup, timer: WaitTimer) -> torch.Tensor:
+        ctx.group, ctx.timer = group, timer
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
+        with ctx.timer("tp-all-reduce"):
+            dist.all_reduce(grad, group=ctx.group)
+        return grad, None, None
 
 
 class _ReduceFromRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup, timer: WaitTimer) -> torch.Tensor:
         x = x.contiguous().clone()
-        dist.all_reduce(x, group=group)
+        with timer("tp-all-reduce"):
+            dist.all_reduce(x, group=group)
         return x
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad, None
+        return grad, None, None
 
 
 class _GatherFromSP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return all_gather_seq(x, group)
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup, timer: WaitTimer) -> torch.Tensor:
+        ctx.group, ctx.timer = group, timer
+        return all_gather_seq(x, group, timer=timer)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return reduce_scatter_seq(grad, ctx.group), None
+        return reduce_scatter_seq(grad, ctx.group, timer=ctx.timer), None, None
 
 
 class _ReduceScatterToSP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return reduce_scatter_seq(x, group)
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup, timer: WaitTimer) -> torch.Tensor:
+        ctx.group, ctx.timer = group, timer
+        return reduce_scatter_seq(x, group, timer=timer)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return all_gather_seq(grad, ctx.group), None
+        return all_gather_seq(grad, ctx.group, timer=ctx.timer), None, None
 
 
-def copy_to_tp_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    return _CopyToRegion.apply(x, group)
+def copy_to_tp_region(x: torch.Tensor, group: ProcessGroup, *, timer: WaitTimer = untimed) -> torch.Tensor:
+    return _CopyToRegion.apply(x, group, timer)
 
 
-def reduce_from_tp_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    return _ReduceFromRegion.apply(x, group)
+def reduce_from_tp_region(
+    x: torch.Tensor, group: ProcessGroup, *, timer: WaitTimer = untimed
+) -> torch.Tensor:
+    return _ReduceFromRegion.apply(x, group, timer)
 
 
-def gather_from_sp_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    return _GatherFromSP.apply(x, group)
+def gather_from_sp_region(
+    x: torch.Tensor, group: ProcessGroup, *, timer: WaitTimer = untimed
+) -> torch.Tensor:
+    return _GatherFromSP.apply(x, group, timer)
 
 
-def reduce_scatter_to_sp_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    return _ReduceScatterToSP.apply(x, group)
+def reduce_scatter_to_sp_region(
+    x: torch.Tensor, group: ProcessGroup, *, timer: WaitTimer = untimed
+) -> torch.Tensor:
+    return _ReduceScatterToSP.apply(x, group, timer)
