@@ -98,6 +98,24 @@ def test_step_timer_open_step_stays_until_finished() -> None:
     assert [e["name"] for e in timer.drain()] == ["step"]
 
 
+def test_step_timer_records_host_intervals_between_steps() -> None:
+    """A batch fetched between two steps (FaultTolerance's "data"): an event of the next step that lies
+    outside it, drawn but not subtracted from any step's compute; inside a step it is a wait."""
+    timer = StepTimer(use_cuda=False)
+    with timer.step(0):
+        pass
+    timer.record("data", 1, time.time() - 0.05, 0.05)  # a fetch that just ended
+    with timer.step(1):
+        time.sleep(0.01)
+    events = timer.drain()
+    assert [(e["name"], e["step"]) for e in events] == [("step", 0), ("data", 1), ("step", 1)]
+    assert events[1]["dur"] == 0.05
+    (timing,) = [t for t in step_timings(events) if t.step == 1]
+    assert timing.wait < 0.01  # the fetch before the step is not part of it (clipped to the step)
+    with pytest.raises(ValueError, match=r"come from StepTimer\.step"):
+        timer.record("step", 2, time.time(), 0.1)
+
+
 def test_step_timer_keeps_at_most_max_events() -> None:
     timer = StepTimer(use_cuda=False, max_events=5)
     for i in range(4):

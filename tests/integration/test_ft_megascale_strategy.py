@@ -88,6 +88,9 @@ def test_a_slow_rank_is_named_a_straggler_while_its_peers_wait(tmp_path: Path, l
     _launch(tmp_path / "slow", *args, "--fault", f"slow@2:{slow}", ranks=ranks, launcher=launcher)
     trace = json.loads((tmp_path / "slow" / "run" / "timeline.json").read_text())
     assert any(str(e.get("name", "")).startswith(wait) for e in trace["traceEvents"]), f"no {wait} sections"
+    # the loader's time between steps, on every rank
+    fetched = {e["pid"] for e in trace["traceEvents"] if e.get("name") == "data" and e.get("ph") == "X"}
+    assert fetched == set(range(ranks)), fetched
     # rows labelled with each rank's parallel coordinates, grouped by stage, tp rank, dp replica
     names = [e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "process_name"]
     assert all(" pp" in n and " tp" in n and "dp" in n for n in names), names

@@ -58,6 +58,7 @@ from __future__ import annotations
 import inspect
 import os
 import random
+import time
 import warnings
 from contextlib import AbstractContextManager
 from datetime import timedelta
@@ -142,6 +143,7 @@ class FaultTolerance(Callback):
         self._capture: tuple[int, dict[str, Any]] | None = None
         self._rng_to_restore: dict[str, Any] | None = None
         self._step: tuple[int, AbstractContextManager[None]] | None = None  # the optimizer step being timed
+        self._fetch: tuple[float, float] | None = None  # (wall, perf_counter) when the last batch ended
         self._section: AbstractContextManager[None] | None = None
         self._losses: list[torch.Tensor] = []
         self.restore_stats: LoadStats | None = None
@@ -256,6 +258,12 @@ class FaultTolerance(Callback):
         if self._rng_to_restore is not None:
             _set_rng_state(self._rng_to_restore, trainer.strategy)
             self._rng_to_restore = None
+        if self._fetch is not None and self.executor is not None:
+            # the loader's time for this batch: inside a step (gradient accumulation) it is a wait; between
+            # steps it lies outside both and is only drawn (the straggler maths clips waits to the step)
+            start, t0 = self._fetch
+            self.executor.timer.record("data", trainer.global_step, start, time.perf_counter() - t0)
+        self._fetch = None
         if self._capture is not None:
             self._snapshot(trainer)
         if self._step is None:
@@ -285,9 +293,11 @@ class FaultTolerance(Callback):
         if loss is not None:
             self._losses.append(loss)
         if self._step is None or trainer.global_step == self._step[0]:
+            self._fetch = (time.time(), time.perf_counter())  # the next micro-batch is fetched from here
             return  # accumulating gradients: the optimizer step is not over
         step = self._step[0]
         self._close_step()
+        self._fetch = (time.time(), time.perf_counter())  # after the step: the fetch lies between steps
         # Lightning divides each micro-batch's loss by the accumulation count: their sum is the step's mean
         value = float(torch.stack(self._losses).sum()) if self._losses else None
         self._losses = []
@@ -308,6 +318,9 @@ class FaultTolerance(Callback):
         }
         with self.executor.timer.section("checkpoint"):
             self.checkpointer.save(step, state)
+
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._fetch = None  # validation, not the loader, fills the gap before the next training batch
 
     def on_validation_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int,

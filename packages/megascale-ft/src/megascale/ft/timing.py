@@ -149,6 +149,18 @@ class StepTimer:
         with self._timed(name):
             yield
 
+    def record(self, name: str, step: int, start: float, dur: float) -> None:
+        """Add an interval measured on the host clock (``start`` unix seconds, ``dur`` seconds) as a finished
+        event of ``step``: work between steps that no context spans, such as fetching the next batch."""
+        if name == STEP:
+            raise ValueError(f"{STEP!r} events come from StepTimer.step()")
+        rec = _Record(seq=next(self._seq), name=name, step=step, start=start, dur=max(dur, 0.0))
+        with self._lock:
+            self._done.append(rec)
+            if len(self._done) > self.max_events:
+                self._done.popleft()
+                self.dropped += 1
+
     def drain(self) -> list[dict[str, Any]]:
         """Return and forget the finished events, in start order.
 
