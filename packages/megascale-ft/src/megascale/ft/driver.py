@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import json
 import logging
 import secrets
 import subprocess
@@ -31,13 +30,21 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from megascale.ft.executor import ENV
 from megascale.ft.heartbeat import Heartbeat, HeartbeatServer
-from megascale.ft.launcher import POLL_S, STRAGGLER_CHECK_S, LaunchConfig, RunReport, _write_timeline
+from megascale.ft.launcher import (
+    POLL_S,
+    STRAGGLER_CHECK_S,
+    LaunchConfig,
+    RunReport,
+    failed_the_same_way,
+    flag_stragglers,
+    write_report,
+)
 from megascale.ft.monitor import Fault, JobMonitor
 
 __all__ = ["ClusterConfig", "ClusterDriver"]
@@ -293,7 +300,7 @@ class ClusterDriver:
         while True:
             if time.monotonic() > next_straggler_check:
                 next_straggler_check += STRAGGLER_CHECK_S
-                self._flag_stragglers(monitor, flagged)
+                flag_stragglers(monitor, flagged, c.straggler_threshold)
             fault = monitor.check()
             if fault is not None and fault.kind == "exception":
                 # a peer may be the cause: give the agents a few reports to say a process is gone
@@ -364,16 +371,6 @@ class ClusterDriver:
     def monitor_beats(self) -> list[Heartbeat]:
         return list(self._server.beats()) if self._server is not None else []
 
-    def _flag_stragglers(self, monitor: JobMonitor, flagged: set[int]) -> None:
-        from megascale.ft.stragglers import find_stragglers
-
-        for s in find_stragglers(
-            monitor.timings(), threshold=self.config.straggler_threshold, hosts=monitor.hosts
-        ):
-            if s.rank not in flagged:
-                flagged.add(s.rank)
-                log.warning("straggler: %s", s)
-
     # --- the run ----------------------------------------------------------------------------------------
     def _blame(self, fault: Fault) -> None:
         """Count the fault against its node; the same kind ``evict_after`` times evicts the node. A lost
@@ -433,16 +430,15 @@ class ClusterDriver:
                     break
                 log.error("attempt %d failed: %s", attempt, fault)
                 self._blame(fault)
-                signatures.append(fault.signature)
-                if signatures[-c.repeat_limit :] == [fault.signature] * c.repeat_limit:
-                    report.reason = (f"failed the same way {c.repeat_limit} times in a row ({fault}); not "
-                                     "restarting again: fix the cause (see the log), then relaunch")  # fmt: skip
+                reason = failed_the_same_way(signatures, fault, c.repeat_limit)
+                if reason is not None:
+                    report.reason = reason
                     break
             else:
                 report.reason = f"gave up after {c.max_restarts} restarts (--max-restarts)"
             report.evicted = dict(self.evicted)
             self._finish(report.ok)
-        self._write(report, monitors)
+        write_report(self.run_dir, report, monitors, c.straggler_threshold)
         print(report.summary(), file=sys.stderr, flush=True)
         return report
 
@@ -482,10 +478,3 @@ class ClusterDriver:
                 if live <= self.verdict.acked:
                     return
             time.sleep(POLL_S)
-
-    def _write(self, report: RunReport, monitors: list[JobMonitor]) -> None:
-        path = self.run_dir / "report.json"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({**asdict(report), "summary": report.summary()}, indent=2))
-        tmp.replace(path)
-        _write_timeline(self.run_dir, monitors, self.config.straggler_threshold)

@@ -252,7 +252,7 @@ class Launcher:
             while True:
                 if time.monotonic() > next_straggler_check:
                     next_straggler_check += STRAGGLER_CHECK_S
-                    self._flag_stragglers(monitor, flagged)
+                    flag_stragglers(monitor, flagged, self.config.straggler_threshold)
                 fault = monitor.check()
                 if fault is not None and fault.kind == "exception":
                     time.sleep(3 * POLL_S)  # a peer may have died first and caused this one's error
@@ -281,17 +281,6 @@ class Launcher:
             pids = [b.pid for b in server.beats()]
             kill_tree(process.pid, extra=pids)
             process.wait()
-
-    def _flag_stragglers(self, monitor: JobMonitor, flagged: set[int]) -> None:
-        from megascale.ft.stragglers import find_stragglers
-
-        found = find_stragglers(
-            monitor.timings(), threshold=self.config.straggler_threshold, hosts=monitor.hosts
-        )
-        for straggler in found:
-            if straggler.rank not in flagged:
-                flagged.add(straggler.rank)
-                log.warning("straggler: %s", straggler)
 
     # --- the run --------------------------------------------------------------------------------------
     def run(self) -> RunReport:
@@ -330,25 +319,45 @@ class Launcher:
                     report.ok = True
                     break
                 log.error("attempt %d failed: %s", attempt, fault)
-                signatures.append(fault.signature)
-                if signatures[-self.config.repeat_limit :] == [fault.signature] * self.config.repeat_limit:
-                    report.reason = (
-                        f"failed the same way {self.config.repeat_limit} times in a row ({fault}); not "
-                        "restarting again: fix the cause (see the log), then relaunch"
-                    )
+                reason = failed_the_same_way(signatures, fault, self.config.repeat_limit)
+                if reason is not None:
+                    report.reason = reason
                     break
             else:
                 report.reason = f"gave up after {self.config.max_restarts} restarts (--max-restarts)"
-        self._write(report, monitors)
+        write_report(self.run_dir, report, monitors, self.config.straggler_threshold)
         print(report.summary(), file=sys.stderr, flush=True)
         return report
 
-    def _write(self, report: RunReport, monitors: list[JobMonitor]) -> None:
-        path = self.run_dir / "report.json"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({**asdict(report), "summary": report.summary()}, indent=2))
-        tmp.replace(path)
-        _write_timeline(self.run_dir, monitors, self.config.straggler_threshold)
+
+def flag_stragglers(monitor: JobMonitor, flagged: set[int], threshold: float) -> None:
+    """Log the ranks that became stragglers since the last call (``flagged`` holds those already named)."""
+    from megascale.ft.stragglers import find_stragglers
+
+    for straggler in find_stragglers(monitor.timings(), threshold=threshold, hosts=monitor.hosts):
+        if straggler.rank not in flagged:
+            flagged.add(straggler.rank)
+            log.warning("straggler: %s", straggler)
+
+
+def failed_the_same_way(
+    signatures: list[tuple[str, int | None, str]], fault: Fault, limit: int
+) -> str | None:
+    """Record ``fault``; the reason to stop when the last ``limit`` attempts failed the same way, else None."""
+    signatures.append(fault.signature)
+    if signatures[-limit:] != [fault.signature] * limit:
+        return None
+    return (f"failed the same way {limit} times in a row ({fault}); not restarting again: fix the cause (see the "
+            "log), then relaunch")  # fmt: skip
+
+
+def write_report(run_dir: Path, report: RunReport, monitors: list[JobMonitor], threshold: float) -> None:
+    """``report.json`` (written atomically) and the merged timeline of every attempt."""
+    path = run_dir / "report.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({**asdict(report), "summary": report.summary()}, indent=2))
+    tmp.replace(path)
+    _write_timeline(run_dir, monitors, threshold)
 
 
 def _write_timeline(run_dir: Path, monitors: list[JobMonitor], threshold: float) -> None:
