@@ -184,6 +184,8 @@ def write_safetensors(
     size = 0
     for name, tensor in tensors.items():
         nbytes = tensor.numel() * tensor.element_size()
+        if tensor.untyped_storage().nbytes() != nbytes:  # a view into a larger buffer (ZeRO-1's flat
+            tensor = tensor.clone()  # buckets): safetensors refuses tensors that share storage
         if shards[-1] and size + nbytes > limit:
             shards.append({})
             size = 0

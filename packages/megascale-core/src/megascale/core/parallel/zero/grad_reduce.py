@@ -34,8 +34,9 @@
 # one dtype only, so the updated values can travel back in their own dtype (all-gather, `sharded_step.py`).
 #
 # Not done (DDP's gradient_as_bucket_view): gradients are copied into the flat buffer and back rather than
-# living in it, which costs one bucket-sized buffer per in-flight bucket and two copies, and leaves the
-# gradients ordinary tensors that optimizers, clipping and FSDP-style code can hold as they like.
+# living in it, which costs one bucket-sized buffer per in-flight bucket and two copies (scattered: only each
+# rank's piece is copied back, the rest of a gradient zeroed), and leaves the gradients ordinary tensors that
+# optimizers, clipping and FSDP-style code can hold as they like.
 
 from __future__ import annotations
 
@@ -255,18 +256,37 @@ class BucketedGradReduce:
             for bucket in self.buckets:
                 assert bucket.work is not None and bucket.flat is not None
                 bucket.work.wait()
-                if bucket.chunk is not None:  # scattered: this rank's averages, zeros around them
-                    chunk = bucket.chunk.div_(self.world_size)
-                    bucket.flat.zero_()
-                    bucket.flat[self.rank * chunk.numel() : (self.rank + 1) * chunk.numel()].copy_(chunk)
-                else:
-                    bucket.flat.div_(self.world_size)
+                if bucket.chunk is not None:
+                    self._write_pieces(bucket, bucket.chunk.div_(self.world_size))
+                    continue
+                bucket.flat.div_(self.world_size)
                 for p, offset in zip(bucket.params, bucket.offsets):
                     g = local(p.grad)
                     assert g is not None
                     g.copy_(bucket.flat[offset : offset + g.numel()].view_as(g))
         finally:
             self._reset()
+
+    def _write_pieces(self, bucket: _Bucket, chunk: Tensor) -> None:
+        """Scattered: each gradient gets this rank's averages in its piece and zeros around it, written
+        directly (only the piece is copied, only the rest zeroed)."""
+        first = self.rank * chunk.numel()
+        for p, offset in zip(bucket.params, bucket.offsets):
+            g = local(p.grad)
+            assert g is not None
+            numel = g.numel()
+            start = min(max(first - offset, 0), numel)
+            stop = max(start, min(first + chunk.numel() - offset, numel))
+            contiguous = g.is_contiguous()
+            flat = g.view(-1) if contiguous else torch.empty(numel, dtype=g.dtype, device=g.device)
+            if start > 0:
+                flat[:start].zero_()
+            if stop < numel:
+                flat[stop:].zero_()
+            if stop > start:
+                flat[start:stop].copy_(chunk[offset + start - first : offset + stop - first])
+            if not contiguous:
+                g.copy_(flat.view_as(g))
 
     def _reset(self) -> None:
         for bucket in self.buckets:

@@ -29,7 +29,10 @@ __all__ = ["ELEMENTWISE_OPTIMIZERS", "ShardedOptimizerStep"]
 # where the rank holds none of it), whose .grad are the matching views of the gradients, and the state of
 # each parameter is moved onto its view and back. The update lands in the parameters in place; the new
 # values of everyone's pieces are then all-gathered per bucket (in the parameters' dtype) and the next
-# forward waits per unit, as stage 1 always did. Bytes per step: reduce-scatter + all-gather = DDP's
+# forward waits per unit, as stage 1 always did. The parameters of a bucket are views of one flat buffer in
+# the bucket's layout (made at the first gather, remade if a parameter is given new storage), so the
+# all-gather runs in place: this rank's piece is its input, and the other pieces land directly in the
+# parameters, with no gather buffer and no copies. Bytes per step: reduce-scatter + all-gather = DDP's
 # all-reduce (both are (n-1)/n of the buffer per rank, twice).
 #
 # What a 1-D piece changes. An elementwise optimizer (SGD, Adam, AdamW, ...) computes on a piece exactly what
@@ -70,7 +73,8 @@ class ShardedOptimizerStep:
         optimizer.zero_grad()                     # the next forward waits for the all-gathered values
 
     ``begin_step`` also runs from a step pre-hook when ``arm()`` was called after the reduction, so a plain
-    loop may leave it out. Call ``wait()`` before reading parameters outside a forward of ``module``.
+    loop may leave it out. Call ``wait()`` before reading parameters outside a forward of ``module`` (the
+    gathers write into them in place).
 
     Args:
         optimizer: an elementwise optimizer (see ``ELEMENTWISE_OPTIMIZERS``; a class of your own may declare
@@ -115,10 +119,16 @@ class ShardedOptimizerStep:
         self._buckets = [
             b for b, bucket in enumerate(reducer.buckets) if any(id(p) in mine for p in bucket.params)
         ]
+        # Buckets whose parameters this optimizer all steps live in one flat buffer each (the parameters are
+        # views of it), so their all-gather writes the new values in place: no gather buffer, no copies.
+        self._whole_buckets = {
+            b for b in self._buckets if all(id(p) in mine for p in reducer.buckets[b].params)
+        }
+        self._flat: dict[int, Tensor] = {}
         self._armed = False
         self._swapped: list[tuple[dict[str, Any], list[Tensor], dict[int, Tensor]]] = []
         self._whole = True  # no state yet, or whole (loaded, gathered): cut into pieces at the next step
-        self._pending: dict[int, tuple[Tensor, Any]] = {}
+        self._pending: dict[int, tuple[Tensor | None, Any]] = {}
         if units is None:
             layers = getattr(module, "layers", None)
             units = layers() if callable(layers) else []
@@ -218,10 +228,39 @@ class ShardedOptimizerStep:
         full = chunk.new_empty(chunk.numel() * self.world_size)
         return full, all_gather_flat(full, chunk, group=self.group, async_op=True)
 
+    def _flat_params(self, b: int) -> Tensor | None:
+        """Bucket ``b``'s flat parameter buffer (made, or remade where a parameter was given new storage,
+        e.g. ``p.data = ...``), or None where the bucket holds parameters other optimizers step."""
+        if b not in self._whole_buckets:
+            return None  # shared with another optimizer's parameters: values copied in and out instead
+        bucket = self.reducer.buckets[b]
+        flat = self._flat.get(b)
+        item = bucket.param_dtype.itemsize if bucket.param_dtype is not None else 0
+        if flat is not None and all(
+            local(p).data_ptr() == flat.data_ptr() + offset * item
+            for p, offset in zip(bucket.params, bucket.offsets)
+        ):
+            return flat
+        flat = torch.zeros(bucket.padded(self.world_size), dtype=bucket.param_dtype, device=bucket.device)
+        for p, offset in zip(bucket.params, bucket.offsets):
+            values = local(p).detach()
+            view = flat[offset : offset + values.numel()].view(values.shape)
+            view.copy_(values)
+            # A DTensor parameter's to_local() is a fresh view: its own local tensor is what must move.
+            (p._local_tensor if is_dtensor(p) else p).data = view  # type: ignore[attr-defined]
+        self._flat[b] = flat
+        return flat
+
     def _gather_params(self) -> None:
         self.wait()
         for b in reversed(self._buckets):  # buckets run from the head back: gather in forward order
             bucket = self.reducer.buckets[b]
+            flat = self._flat_params(b)
+            if flat is not None:  # this rank's part is in place: gathered into the parameters themselves
+                size = flat.numel() // self.world_size
+                mine = flat[self.rank * size : (self.rank + 1) * size]
+                self._pending[b] = (None, all_gather_flat(flat, mine, group=self.group, async_op=True))
+                continue
             pieces = {}
             for p in bucket.params:
                 start, stop = self._range.get(id(p), (0, 0))
@@ -241,6 +280,8 @@ class ShardedOptimizerStep:
         for b in buckets:
             full, work = self._pending.pop(b)
             work.wait()
+            if full is None:  # gathered in place
+                continue
             bucket = self.reducer.buckets[b]
             for p, offset in zip(bucket.params, bucket.offsets):
                 if id(p) in self._range:
