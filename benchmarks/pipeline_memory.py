@@ -14,8 +14,9 @@ microbatch) after one warm-up step (which builds the stages, their receive buffe
                  parameters ignored): the activation memory
     live peak    peak bytes of storages created during the step and alive (LiveTensorMeter): activations,
                  outputs, gradients in flight, send buffers. Not counted (allocated before the step): the
-                 parameters and gradients, and the receive buffers torch's PipelineStage preallocates for every
-                 microbatch (column "recv bufs", constant, reported apart)
+                 parameters and gradients, and the receive buffers (column "recv bufs", reported apart: the
+                 pipeline's stages pool them over the microbatches in flight, all made in the warm-up step;
+                 torch's PipelineStage would keep one per microbatch)
 Per stage, one microbatch alone (the stage module's forward, and the loss on the last stage, outputs kept —
 on the last stage only the loss, as the pipeline keeps it — then its backward), under the same meters:
     act/mb       saved bytes after the forward: the activation of one microbatch on that stage
@@ -37,6 +38,10 @@ microbatch of that stage to the in-flight set, B removes it):
     ratio        measured / theory (1.00 = exact). Saved comes out 0.5-1% below: storages that every microbatch
                  saves (the rotary tables; on the first and last stage the batch's tokens / targets, of which
                  the microbatches are views) count once in the step and once per microbatch in the theory
+    recv theory  the receive buffers megascale.core.plan.schedule.receive_buffers counts from the rank's order
+                 (per stage, activations and gradients in flight: taken when the receive is posted, one
+                 microbatch ahead in the decoupled schedules, given back after the backward), × one
+                 microbatch's residual stream (float32); "torch" what one per microbatch would hold
 
 Last stage, baseline: the same step through the same schedule with torch's default ``return_outputs=True``
 (what ``Pipeline.loss`` did before: the stage keeps every microbatch's output, the logits, in
@@ -137,15 +142,20 @@ def _stages(schedule: Any) -> list[Any]:
 
 
 def _recv_buffer_bytes(stages: list[Any]) -> int:
-    """Bytes of the activation and gradient receive buffers the stages preallocated (one per microbatch)."""
-    total = 0
-    for stage in stages:
-        for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values()):
-            for info in infos:
-                buffer = getattr(info, "buffer", None)
-                if isinstance(buffer, torch.Tensor):
-                    total += buffer.untyped_storage().nbytes()
-    return total
+    """Bytes of the activation and gradient receive buffers the stages hold (pooled, lent or in a receive)."""
+    return sum(b.untyped_storage().nbytes() for stage in stages for b in stage.receive_buffers())
+
+
+def _recv_theory(name: str, P: int, M: int, rank: int, args: argparse.Namespace) -> dict[str, int]:
+    """Receive-buffer bytes from the planner's count of buffers in flight, and torch's one per microbatch."""
+    from megascale.core.plan.schedule import receive_buffers
+
+    v = V if name == "interleaved" else 1
+    held = receive_buffers(name, P, rank, M, v)
+    per_buffer = args.mb_rows * args.seq * args.d_model * 4  # one microbatch's residual stream, float32
+    stages = [rank + c * P for c in range(v)]
+    streams = sum((s > 0) + (s < v * P - 1) for s in stages)  # activations into s > 0, gradients into s < S-1
+    return {"pooled": sum(f + b for f, b in held) * per_buffer, "torch": streams * M * per_buffer}
 
 
 def _alone(
@@ -236,6 +246,7 @@ def _measure(name: str, args: argparse.Namespace, rank: int, P: int) -> dict[str
         "alone": {str(s): a for s, a in alone.items()},  # by stage (JSON keys are strings)
         "in_flight_formula": _in_flight_formula(name, P, M, rank), "order": order,
         "recv_buffers": _recv_buffer_bytes(_stages(schedule)),
+        "recv_theory": _recv_theory(name, P, M, rank, args),
     }  # fmt: skip
 
 
@@ -252,8 +263,8 @@ def _tables(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
         f"{args.microbatches_per_stage}·P, float32; MiB",
         "",
         "| P | schedule | rank | stages | in-flight (formula / order) | act/mb per stage | saved peak | theory "
-        "| ratio | live peak | theory | ratio | recv bufs |",
-        "|---:|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| ratio | live peak | theory | ratio | recv bufs | recv theory (torch) |",
+        "|---:|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         acts = " ".join(_mib(r["alone"][str(s)]["saved"]) for s in r["stages"])
@@ -262,7 +273,8 @@ def _tables(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
             f"| {r['P']} | {r['schedule']} | {r['rank']} | {','.join(map(str, r['stages']))} | "
             f"{r['in_flight_formula']} / {th['in_flight']} | {acts} | {_mib(r['ours']['saved_peak'])} | "
             f"{_mib(th['saved'])} | {r['ours']['saved_peak'] / th['saved']:.3f} | {_mib(r['ours']['live_peak'])} | "
-            f"{_mib(th['live'])} | {r['ours']['live_peak'] / th['live']:.3f} | {_mib(r['recv_buffers'])} |"
+            f"{_mib(th['live'])} | {r['ours']['live_peak'] / th['live']:.3f} | {_mib(r['recv_buffers'])} | "
+            f"{_mib(r['recv_theory']['pooled'])} ({_mib(r['recv_theory']['torch'])}) |"
         )
     lines += [
         "",

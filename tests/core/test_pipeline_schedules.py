@@ -310,3 +310,75 @@ def test_timeline_bubble_arithmetic() -> None:
     assert timeline.total("wait_") == pytest.approx(1.0)
     with pytest.raises(ValueError, match="empty window"):
         timeline.bubble_fraction(1.0, 1.0)
+
+
+def _pooled_receives_worker(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Three AdamW steps of a small GPT (dropout on) per case, with the stages' receive buffers pooled and with
+    torch's one per microbatch: the losses, the parameters and the receive buffers each stage held."""
+    from megascale.core import GPT, GPTConfig
+    from megascale.core.parallel import ParallelPlan, parallelize
+    from megascale.core.parallel import pipeline as pipeline_module
+
+    out = []
+    for case in cases:
+        for pooled in (True, False):
+            pipeline_module._LeanStage.pool_receives = pooled
+            plan = ParallelPlan(**case)
+            torch.manual_seed(0)
+            with torch.device("meta"):
+                model = GPT(GPTConfig(vocab_size=64, d_model=32, n_layers=4, n_heads=4, max_seq_len=16,
+                                      dropout=0.1))  # fmt: skip
+            runtime = parallelize(model, plan, plan.dims(world).build_mesh("cpu"), device="cpu")
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            losses = []
+            for step in range(3):
+                tokens = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(step))
+                losses.append(model(tokens, tokens.roll(-1, 1)))
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            assert runtime.pipeline is not None
+            schedule = runtime.pipeline._schedules[("train", (8, 16))]
+            stages = getattr(schedule, "_stages", None) or [schedule._stage]
+            out.append({
+                "case": case, "pooled": pooled, "losses": losses,
+                "parameters": {n: p.detach().clone() for n, p in model.named_parameters()},
+                "buffers": {s.stage_index: len(s.receive_buffers()) for s in stages},
+                "most_lent": {(s.stage_index, d): p.most_lent for s in stages for d, p in s._pools.items()},
+            })  # fmt: skip
+    pipeline_module._LeanStage.pool_receives = True
+    return out
+
+
+def test_receive_buffers_are_pooled_and_results_unchanged() -> None:
+    """torch's PipelineStage keeps an activation and a gradient receive buffer per microbatch; the pipeline's
+    stages lend them to the microbatches in flight only. P=2, 1F1B at M=8: stage 1 holds 2 activation buffers
+    (the one computing and the next, prefetched), stage 0 2 gradient buffers, not 8; GPipe all 8 activations
+    (every forward before the first backward) but 1 gradient; interleaved (V=2, M=4) 2 to 4 of each stream's
+    4. Losses and parameters after three AdamW steps with dropout are bitwise those of torch's buffers."""
+    cases = [
+        dict(pp=2, num_microbatches=8),
+        dict(pp=2, num_microbatches=8, schedule="gpipe"),
+        dict(pp=2, num_microbatches=4, schedule="interleaved", virtual_stages=2),
+    ]
+    # per rank: the most buffers lent at once, by (stage, "F" activations | "B" gradients)
+    expected = [
+        [{(0, "B"): 2}, {(0, "B"): 1}, {(0, "B"): 2, (2, "F"): 3, (2, "B"): 2}],
+        [{(1, "F"): 2}, {(1, "F"): 8}, {(1, "F"): 4, (1, "B"): 2, (3, "F"): 2}],
+    ]
+    results = run_distributed(_pooled_receives_worker, 2, cases, timeout=300)
+    for rank, per_rank in enumerate(results):
+        for i, case in enumerate(cases):
+            pooled, unpooled = per_rank[2 * i], per_rank[2 * i + 1]
+            tag = (case, rank)
+            assert all(torch.equal(a, b) for a, b in zip(pooled["losses"], unpooled["losses"])), tag
+            for name, p in pooled["parameters"].items():
+                assert torch.equal(p, unpooled["parameters"][name]), (*tag, name)
+            # unpooled: one buffer per microbatch for each stream into a stage (F into s > 0, B into s < S - 1)
+            m, last = case["num_microbatches"], 2 * case.get("virtual_stages", 1) - 1
+            assert unpooled["buffers"] == {s: m * ((s > 0) + (s < last)) for s in unpooled["buffers"]}, tag
+            assert pooled["most_lent"] == expected[rank][i], tag
+            # and a stage holds no more buffers than were lent at once
+            lent = pooled["most_lent"].items()
+            assert pooled["buffers"] == {
+                s: sum(n for (t, _), n in lent if t == s) for s in pooled["buffers"]
+            }, tag

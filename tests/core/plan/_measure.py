@@ -11,8 +11,8 @@ measures, from the tensors themselves:
   step), ignoring parameters and buffers, plus what activation checkpointing keeps for recomputation (the
   inputs of each checkpointed module, held from its forward until the gradient of its output is computed), which
   the checkpoint's own saved-tensor hooks hide from the meter;
-- pipeline receive buffers: the storages torch's ``PipelineStage`` allocated to receive activations and
-  gradients (one per microbatch).
+- pipeline receive buffers: the storages the pipeline's stages hold to receive activations and gradients
+  (pooled over the microbatches in flight: as many as were in flight at once).
 """
 
 from __future__ import annotations
@@ -58,18 +58,16 @@ def _unsharded_param_storages(model: nn.Module) -> list[torch.Tensor]:
 
 
 def _receive_buffers(pipeline: Any) -> int:
-    """Bytes of the receive buffers torch's pipeline stages allocated for the training schedule (activations
-    from the previous stage, gradients from the next), distinct storages."""
+    """Bytes of the receive buffers the pipeline's stages hold for the training schedule (activations from the
+    previous stage, gradients from the next; lent or pooled), distinct storages."""
     seen: dict[int, int] = {}
     for (purpose, _), schedule in pipeline._schedules.items():
         if purpose != "train":
             continue
         for stage in getattr(schedule, "_stages", None) or [schedule._stage]:
-            for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values()):
-                for info in infos:
-                    if isinstance(getattr(info, "buffer", None), torch.Tensor):
-                        for st in storages_of(info.buffer):
-                            seen[st._cdata] = st.nbytes()
+            for buffer in stage.receive_buffers():
+                for st in storages_of(buffer):
+                    seen[st._cdata] = st.nbytes()
     return sum(seen.values())
 
 

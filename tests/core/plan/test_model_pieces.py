@@ -12,7 +12,7 @@ import torch
 from megascale.core import GPT, GPTConfig
 from megascale.core.parallel import ParallelPlan
 from megascale.core.plan import ActivationModel, Kernels, Layout, Workload, memory_warning, predict_memory
-from megascale.core.plan.schedule import bubble_fraction, peak_in_flight, rank_order
+from megascale.core.plan.schedule import bubble_fraction, peak_in_flight, rank_order, receive_buffers
 from megascale.core.plan.shapes import stages_of_rank
 
 CONFIGS = {
@@ -105,11 +105,53 @@ def test_memory_warning_names_what_to_change() -> None:
     assert message is not None and "predicted to need" in message and "activation_checkpointing" in message
 
 
-def test_a_pipeline_holds_the_whole_local_batch_in_receive_buffers() -> None:
-    """torch's PipelineStage allocates a receive buffer per microbatch: the local batch's activations once per
-    direction, however it is split (measured in tests/core/plan/test_memory_model.py)."""
+def test_a_pipeline_holds_receive_buffers_for_the_microbatches_in_flight() -> None:
+    """The pipeline's stages pool their receive buffers (torch's PipelineStage keeps one per microbatch): at
+    1F1B, rank r of P holds min(P - r + 1, M) activation and 2 gradient buffers, so smaller microbatches
+    hold less; GPipe holds every microbatch's activation and one gradient (measured in
+    tests/core/plan/test_memory_model.py and tests/core/test_pipeline_schedules.py)."""
     config = GPTConfig(vocab_size=1024, d_model=256, n_layers=8, n_heads=8, max_seq_len=1024)
     workload = Workload(config, seq_len=1024, global_batch=32)
-    got = {m: predict_memory(workload, Layout(ParallelPlan(pp=4, num_microbatches=m), micro_batch_size=32 // m),
-                             all_ranks=True).ranks[1].receive_buffers for m in (4, 8, 32)}  # fmt: skip
-    assert got[4] == got[8] == got[32] == 2 * 32 * 1024 * 256 * 4
+    sample = 1024 * 256 * 4  # one sequence's residual stream, fp32
+
+    def receive(m: int, schedule: str = "1f1b") -> float:
+        plan = ParallelPlan(pp=4, num_microbatches=m, schedule=schedule)
+        return (
+            predict_memory(workload, Layout(plan, micro_batch_size=32 // m), all_ranks=True)
+            .ranks[1]
+            .receive_buffers
+        )
+
+    assert receive(4) == (4 + 2) * 8 * sample  # min(4 - 1 + 1, 4) activations, 2 gradients of 8 sequences
+    assert receive(8) == (4 + 2) * 4 * sample
+    assert receive(32) == (4 + 2) * 1 * sample
+    assert receive(8, "gpipe") == (8 + 1) * 4 * sample
+
+
+@pytest.mark.parametrize(("P", "V", "M"), [(2, 2, 4), (2, 2, 8), (4, 2, 8), (2, 3, 6), (4, 4, 8), (8, 2, 16)])
+def test_interleaved_receive_buffers_match_the_runtimes_plan(P: int, V: int, M: int) -> None:
+    """Replaying the plan ScheduleDecoupledInterleaved1F1B runs (torch's, receives prefetched), a buffer taken
+    at each receive and given back after that stage's backward: every stream as receive_buffers counts it,
+    but the last rank's gradient streams, where torch's lockstep placement posts receives earlier."""
+    from collections import Counter
+
+    from megascale.core.parallel.pipeline_interleaved import prefetch_receives
+    from tests.core.test_pipeline_interleaved import T, _torch_plan
+
+    for rank, actions in _torch_plan(P, V, M).items():
+        held: Counter[tuple[int, str]] = Counter()
+        most: Counter[tuple[int, str]] = Counter()
+        for a in prefetch_receives(actions):
+            if a.computation_type in (T.RECV_F, T.RECV_B):
+                key = (a.stage_index, a.computation_type.value[-1])
+                held[key] += 1
+                most[key] = max(most[key], held[key])
+            elif a.computation_type == T.FULL_BACKWARD:  # gives back its activation and gradient buffers
+                for key in ((a.stage_index, "F"), (a.stage_index, "B")):
+                    if held[key]:
+                        held[key] -= 1
+        replayed = [(most[(rank + c * P, "F")], most[(rank + c * P, "B")]) for c in range(V)]
+        modelled = receive_buffers("interleaved", P, rank, M, V)
+        for c, ((f, b), (mf, mb)) in enumerate(zip(replayed, modelled)):
+            assert f == mf, (rank, c)
+            assert b == mb or (rank == P - 1 and mb <= b <= M), (rank, c, b, mb)

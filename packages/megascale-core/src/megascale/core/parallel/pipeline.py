@@ -36,6 +36,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe, ScheduleLoopedBFS
 from torch.distributed.pipelining._backward import stage_backward
+from torch.distributed.pipelining._utils import _make_tensor_from_meta, to_local_if_dtensor
+from torch.distributed.pipelining.stage import _RecvInfo
 
 from megascale.core.model.layers import PipelineLayers, pipeline_layers_of
 from megascale.core.parallel.pipeline_interleaved import (
@@ -319,9 +321,25 @@ class _LeanStage(PipelineStage):
     the earlier units' gradients are computed; ``perform_reduce_grad`` then finds nothing left to reduce. Under
     the runtime's ``no_sync`` (gradient accumulation over pipeline steps) nothing is reduced: the gradients
     stay unsharded sums until the step that syncs.
+
+    Receive buffers: torch's stage allocates an activation and a gradient receive buffer for every microbatch
+    and keeps them all, though a schedule has only a few microbatches between posting a receive and finishing
+    that microbatch's backward. In training, here each direction's buffers are pooled (``_RecvPool``): a
+    microbatch borrows a set when its receive is posted and returns it after its backward, so a stage holds as
+    many as it has microbatches in flight (1F1B: min(P - s + 1, M) activations and 2 gradients on stage s;
+    GPipe: M activations, 1 gradient; ``plan.schedule.receive_buffers`` counts them). Every element of a
+    buffer is overwritten by its receive, so results are unchanged bit for bit. (torch still allocates one
+    per microbatch when it sets the stage up, in the first step; all but one set are dropped right away.)
+    ``pool_receives = False`` keeps torch's per-microbatch buffers.
     """
 
     pipeline: Pipeline
+    #: pool the training schedule's receive buffers (see above); False: torch's one per microbatch
+    pool_receives: bool = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._pools: dict[str, _RecvPool] = {}  # "F" activations, "B" gradients: while training
 
     def _syncs(self) -> bool:
         return self.pipeline.sync_gradients
@@ -329,13 +347,32 @@ class _LeanStage(PipelineStage):
     # torch infers the stages' shapes by running a real forward (and backward) of the first microbatch, once
     # per process: its dropout must not draw from the run's random streams, or a run restarted from a
     # checkpoint (which infers again, mid-run) would draw other masks than the uninterrupted one.
-    def _prepare_forward_infra(self, *args: Any, **kwargs: Any) -> Any:
+    def _prepare_forward_infra(
+        self, num_microbatches: int, args: Any, kwargs: Any = None, has_backward: bool = False
+    ) -> Any:
         with self.pipeline.random_streams_untouched():
-            return super()._prepare_forward_infra(*args, **kwargs)
+            out = super()._prepare_forward_infra(num_microbatches, args, kwargs, has_backward=has_backward)
+        self._pools = {}  # (re)built: torch has just allocated one buffer per microbatch again
+        if has_backward and self.pool_receives and not self.is_first:
+            self._pools["F"] = _RecvPool(self.args_recv_info, self.device)
+        return out
 
     def _prepare_backward_infra(self, *args: Any, **kwargs: Any) -> Any:
         with self.pipeline.random_streams_untouched():
-            return super()._prepare_backward_infra(*args, **kwargs)
+            out = super()._prepare_backward_infra(*args, **kwargs)
+        if self.pool_receives and not self.is_last:
+            self._pools["B"] = _RecvPool(self.grad_recv_info, self.device)
+        return out
+
+    def receive_buffers(self) -> list[torch.Tensor]:
+        """Every receive buffer this stage holds: in a microbatch's receive info, lent, or pooled."""
+        infos = [
+            i for per_mb in (*self.args_recv_info.values(), *self.grad_recv_info.values()) for i in per_mb
+        ]
+        held = {id(i.buffer): i.buffer for i in infos if isinstance(i.buffer, torch.Tensor)}
+        for pool in self._pools.values():
+            held.update((id(t), t) for t in pool.buffers())
+        return list(held.values())
 
     def backward_maybe_with_nosync(
         self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False
@@ -358,6 +395,15 @@ class _LeanStage(PipelineStage):
             return
         super().perform_reduce_grad(grad_scale_factor)
 
+    def backward_one_chunk(
+        self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True, last_backward: bool = False
+    ) -> None:
+        super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+        if full_backward:  # (a split backward, not run here, would still need them until its weight half)
+            sending = self.bwd_cache.get(bwd_chunk_id, ())  # the input gradients, sent after this
+            for pool in self._pools.values():
+                pool.give_back(bwd_chunk_id, sending)
+
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         output = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
         if self.is_last:
@@ -377,12 +423,16 @@ class _LeanStage(PipelineStage):
         return ops
 
     def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
+        if "F" in self._pools:
+            self._pools["F"].lend(fwd_chunk_id)
         return self._stream(super().get_fwd_recv_ops(fwd_chunk_id), "F", self.stage_index)
 
     def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
         return self._stream(super().get_bwd_send_ops(bwd_chunk_id), "B", self.stage_index - 1)
 
     def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
+        if "B" in self._pools:
+            self._pools["B"].lend(bwd_chunk_id)
         return self._stream(super().get_bwd_recv_ops(bwd_chunk_id), "B", self.stage_index)
 
     def _stream(self, ops: list[dist.P2POp], direction: str, receiving_stage: int) -> list[dist.P2POp]:
@@ -394,6 +444,60 @@ class _LeanStage(PipelineStage):
             dist.P2POp(op.op, op.tensor, group=group or op.group, tag=tag, group_peer=op.group_peer)
             for op in ops
         ]
+
+
+class _RecvPool:
+    """One direction's receive buffers of a stage (see ``_LeanStage``), shared by the microbatches.
+
+    Built from torch's receive infos (one per microbatch, each with its own buffers): keeps the first
+    microbatch's buffers as the first free set and takes the others' away. ``lend`` gives a microbatch a free
+    set (a new one if none is free) when its receive is posted; ``give_back`` returns it after its backward.
+    """
+
+    def __init__(self, infos: dict[int, tuple[_RecvInfo, ...]], device: torch.device) -> None:
+        self._infos, self._device = infos, device
+        first = infos[min(infos)]
+        self._metas = [i.tensor_meta if i.buffer is not None else None for i in first]
+        self._free = [[i.buffer for i in first]]
+        self._lent: dict[int, list[torch.Tensor | None]] = {}
+        self.most_lent = 0  # the most sets lent at once
+        for per_mb in infos.values():
+            for i in per_mb:
+                i.buffer = None  # (a stage that receives has no root arguments)
+
+    def lend(self, mb: int) -> None:
+        infos = self._infos[mb]
+        if mb in self._lent or any(i.buffer is not None for i in infos):
+            return  # holds a set already (lent, or handed over by a stage on this rank)
+        if self._free:
+            buffers = self._free.pop()
+        else:
+            buffers = [None if m is None else _make_tensor_from_meta(m, self._device) for m in self._metas]
+        for i, b in zip(infos, buffers):
+            i.buffer = b
+        self._lent[mb] = buffers
+        self.most_lent = max(self.most_lent, len(self._lent))
+
+    def give_back(self, mb: int, sending: Sequence[torch.Tensor | None]) -> None:
+        buffers = self._lent.pop(mb, None)
+        if buffers is None:
+            return
+        for i in self._infos[mb]:
+            i.buffer = None
+        # autograd may hand the received gradient on as the input gradient (a stage that passes it through):
+        # then the buffer is still being sent, and is dropped rather than reused
+        sent = {to_local_if_dtensor(t).untyped_storage().data_ptr() for t in sending if t is not None}
+        if any(b is not None and b.untyped_storage().data_ptr() in sent for b in buffers):
+            return
+        for b in buffers:
+            if b is not None:
+                b.grad = None  # (stage_backward clears it too): no gradient may add to the next user's
+        self._free.append(buffers)
+
+    def buffers(self) -> list[torch.Tensor]:
+        """The buffers this pool holds, free or lent."""
+        sets = [*self._free, *self._lent.values()]
+        return [b for buffers in sets for b in buffers if b is not None]
 
 
 class _RunsPipeline:

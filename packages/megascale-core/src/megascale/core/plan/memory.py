@@ -15,9 +15,10 @@ to backward (P in the compute dtype), ZeRO-3 about two units at a time (the one 
 Saved activations: ``ActivationModel`` per microbatch and stage, and ``schedule.peak_in_flight`` for the
 microbatches a rank holds at once. Buffers: the gradient-reduction buckets (two in flight) or the units
 reduce-scattered; ZeRO-1 "elements" all-gathers every bucket's new values after the step (a whole fp32 copy
-of P until the next forward has waited for them); torch's ``PipelineStage`` allocates a receive buffer per
-microbatch for activations (every stage but the first) and for gradients (every stage but the last), and
-caches each stage output until that microbatch's backward. Workspace: what exists only while one layer runs
+of P until the next forward has waited for them); the pipeline's stages receive activations (every stage but
+the first) and gradients (every stage but the last) into buffers pooled over the microbatches in flight
+(``schedule.receive_buffers``: torch's ``PipelineStage`` would keep one per microbatch), and cache each stage
+output until that microbatch's backward. Workspace: what exists only while one layer runs
 (the logits and their gradient, one block's recomputation under full checkpointing).
 
 The total adds the persistent state to the larger of two phases — forward/backward (activations, gathered
@@ -34,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 
 from megascale.core.plan.activations import ActivationModel
 from megascale.core.plan.layout import OPTIMIZER_STATES, Layout, Workload
-from megascale.core.plan.schedule import microbatches_in_flight, peak_in_flight
+from megascale.core.plan.schedule import microbatches_in_flight, peak_in_flight, receive_buffers
 from megascale.core.plan.shapes import Stage, block_parameters, embedding_parameters, stages_of_rank
 
 __all__ = ["MemoryEstimate", "RankMemory", "predict_memory"]
@@ -172,10 +173,14 @@ def rank_memory(
     if plan.pp > 1:
         io = _stage_io(acts)
         in_flight = microbatches_in_flight(schedule, plan.pp, pp_rank, m, len(stages)) * len(stages)
-        per_microbatch = workload.runtime.pipeline_buffers == "per_microbatch"
-        for s in stages:  # receive buffers: one per microbatch (torch's stage), or per transfer in flight
-            receives = (not s.first) + (not s.last)
-            receive += io * receives * (m if per_microbatch else 1)
+        # receive buffers: one per transfer in flight (Megatron-LM), or megascale's pool of the microbatches
+        # in flight, per chunk and direction. ("per_microbatch", the Runtime default, names what megascale's
+        # stages held before they pooled: torch's one per microbatch.)
+        if workload.runtime.pipeline_buffers == "per_transfer":
+            receive = io * sum((not s.first) + (not s.last) for s in stages)
+        else:
+            held = receive_buffers(schedule, plan.pp, pp_rank, m, len(stages))
+            receive = io * sum(f + b for f, b in held)
         pipeline = receive + io * in_flight * (not stages[-1].last)  # outputs cached until their backward
 
     workspace = _workspace(acts, stages)

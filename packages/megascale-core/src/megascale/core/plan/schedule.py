@@ -11,8 +11,10 @@ forwards (F) and backwards (B) on rank r of P, with M microbatches and V stages 
                  of min((V-1)·R + 2·(P-1-r), M·V) chunk forwards (R microbatches per round), then F, B pairs
 
 ``peak_in_flight`` replays that order over the chunks' saved bytes, so uneven chunks (the embedding on the
-first stage, the head and loss on the last) are counted where they are. The bubble (idle fraction of the
-ideal time, Narayanan et al. 2021 eq. in §2.2): (P - 1)/M for GPipe and 1F1B, (P - 1)/(V·M) interleaved.
+first stage, the head and loss on the last) are counted where they are; ``receive_buffers`` replays it over the
+pipeline's pooled receive buffers (taken when a receive is posted, given back after that backward). The bubble
+(idle fraction of the ideal time, Narayanan et al. 2021 eq. in §2.2): (P - 1)/M for GPipe and 1F1B,
+(P - 1)/(V·M) interleaved.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from itertools import islice
 
 from megascale.core.parallel.plan import SCHEDULES
 
-__all__ = ["bubble_fraction", "microbatches_in_flight", "peak_in_flight", "rank_order"]
+__all__ = ["bubble_fraction", "microbatches_in_flight", "peak_in_flight", "rank_order", "receive_buffers"]
 
 
 def rank_order(
@@ -92,6 +94,41 @@ def peak_in_flight(
         held += chunk_bytes[chunk] if kind == "F" else -chunk_bytes[chunk]
         peak = max(peak, held)
     return peak
+
+
+@lru_cache(maxsize=65536)
+def receive_buffers(
+    schedule: str, pp: int, rank: int, microbatches: int, virtual_stages: int = 1
+) -> tuple[tuple[int, int], ...]:
+    """Per local chunk of rank ``rank``: the most (activation, gradient) receive buffers it holds at once.
+
+    megascale's stages pool their receive buffers (``parallel/pipeline.py``, ``_LeanStage``): a microbatch
+    takes one when its receive is posted and gives it back after its backward on that chunk. The decoupled
+    schedules (1f1b, interleaved) post the receive of microbatch i + 1 of a chunk before computing i (the
+    first two at the step's start); torch's GPipe posts each right before its computation. Replaying the
+    order: a chunk holds (forwards started + 1) - (backwards done) activation buffers, and gradient buffers
+    likewise. Every chunk receives both, except the first stage's (no activations) and the last's (no
+    gradients): 1F1B gives min(P - r + 1, M) activations and 2 gradients, GPipe M and 1. Exact for those two;
+    interleaved, exact but on the last rank, whose gradient receives torch's plan (its lockstep placement)
+    sometimes posts more than one ahead: P=4, V=2, M=8 holds 12 buffers there where this counts 10
+    (benchmarks/pipeline_memory.py). Replaying torch's plan instead would cost seconds over a search."""
+    m, v = microbatches, virtual_stages
+    if pp == 1:
+        return ((0, 0),) * v
+    ahead = 0 if schedule == "gpipe" else 1
+    forwards, backwards = [0] * v, [0] * v
+    most_f, most_b = [0] * v, [0] * v
+    for kind, c in _order(schedule, pp, rank, m, v):
+        if kind == "F":
+            forwards[c] += 1
+            most_f[c] = max(most_f[c], min(forwards[c] + ahead, m) - backwards[c])
+        else:  # this backward's gradient and the prefetched ones, until it is done
+            most_b[c] = max(most_b[c], min(backwards[c] + 1 + ahead, m) - backwards[c])
+            backwards[c] += 1
+    stages = [
+        rank + c * pp for c in range(v)
+    ]  # looped placement; stage 0 and stage pp·v - 1 receive one kind
+    return tuple((most_f[c] * (s > 0), most_b[c] * (s < pp * v - 1)) for c, s in enumerate(stages))
 
 
 @lru_cache(maxsize=65536)
