@@ -58,7 +58,8 @@ def memory_warning(
         hints.append("activation_checkpointing ('selective', then 'full'), sequence_parallel or a smaller "
                      "micro-batch cut the activations")  # fmt: skip
     if rank.pipeline_buffers > budget / 4:
-        hints.append("fewer, larger microbatches cut the pipeline's per-microbatch receive buffers")
+        hints.append("smaller microbatches (more of them) or fewer pipeline stages cut the pipeline's receive "
+                     "buffers, which hold every microbatch in flight")  # fmt: skip
     return (
         f"this layout (tp={plan.tp}, pp={plan.pp}, dp={dp}, zero_stage={plan.zero_stage}, micro-batch {micro} × "
         f"{seq_len} tokens) is predicted to need {rank.total / _GB:.1f} GB on pipeline rank {rank.pp_rank}, more "

@@ -64,9 +64,9 @@ class Runtime:
         residual: the residual stream's dtype: "fp32" (megascale: the master weights' dtype, which the
             embedding runs in; bf16 only where ZeRO-2/3 gathers bf16 parameters) or "compute" (16-bit
             parameters, as Megatron-LM 2021 ran).
-        pipeline_buffers: "per_microbatch" (torch's ``PipelineStage``, which megascale's pipeline uses,
-            allocates a receive buffer for every microbatch's activation and gradient when it first runs, and
-            keeps them) or "per_transfer" (Megatron-LM allocates one per transfer).
+        pipeline_buffers: "pooled" (megascale's pipeline stages lend a microbatch receive buffers from a
+            pool while it is in flight, ``schedule.receive_buffers``) or "per_transfer" (Megatron-LM
+            allocates one per transfer).
         overlap_p2p: pipeline transfers overlap compute (megascale's decoupled schedules) or each is waited
             for before the next computation (Megatron-LM 2021).
         reduce_bytes: bytes per gradient element in the data-parallel reduction (megascale reduces fp32;
@@ -74,7 +74,7 @@ class Runtime:
     """
 
     residual: Literal["fp32", "compute"] = "fp32"
-    pipeline_buffers: Literal["per_microbatch", "per_transfer"] = "per_microbatch"
+    pipeline_buffers: Literal["pooled", "per_transfer"] = "pooled"
     overlap_p2p: bool = True
     reduce_bytes: int = 4
 

@@ -14,16 +14,15 @@ states per parameter:
 to backward (P in the compute dtype), ZeRO-3 about two units at a time (the one computing and the prefetched).
 Saved activations: ``ActivationModel`` per microbatch and stage, and ``schedule.peak_in_flight`` for the
 microbatches a rank holds at once. Buffers: the gradient-reduction buckets (two in flight) or the units
-reduce-scattered; ZeRO-1 "elements" all-gathers every bucket's new values after the step (a whole fp32 copy
-of P until the next forward has waited for them); the pipeline's stages receive activations (every stage but
+reduce-scattered (ZeRO-1 "elements" all-gathers every bucket's new values in place: its parameters are views
+of the buckets); the pipeline's stages receive activations (every stage but
 the first) and gradients (every stage but the last) into buffers pooled over the microbatches in flight
 (``schedule.receive_buffers``: torch's ``PipelineStage`` would keep one per microbatch), and cache each stage
 output until that microbatch's backward. Workspace: what exists only while one layer runs
 (the logits and their gradient, one block's recomputation under full checkpointing).
 
 The total adds the persistent state to the larger of two phases — forward/backward (activations, gathered
-parameters, pipeline buffers, buckets, workspace) and the optimizer step (its temporaries, ZeRO-1's gathered
-values) — and assumes gradients exist throughout (they do from the first backward of a step on, and across
+parameters, pipeline buffers, buckets, workspace) and the optimizer step (its temporaries) — and assumes gradients exist throughout (they do from the first backward of a step on, and across
 microbatches of an accumulation): conservative by design. Not counted: the CUDA context, NCCL's own buffers and
 the caching allocator's fragmentation; ``ClusterSpec.usable_memory`` leaves room for them.
 """
@@ -166,16 +165,14 @@ def rank_memory(
     else:  # a unit's unsharded gradient before its reduce-scatter
         comm = 4.0 * _largest_unit(workload, layout, stages)
     step = 4.0 * (p if zero == 0 else sharded)  # the optimizer's elementwise temporaries (foreach)
-    if zero == 1 and plan.zero1_sharding == "elements":
-        step = max(step, 4.0 * p)  # every bucket's gathered new values, until the next forward waits
+    # (ZeRO-1 "elements" gathers the new values straight into the parameters: views of flat buckets)
 
     pipeline = receive = 0.0
     if plan.pp > 1:
         io = _stage_io(acts)
         in_flight = microbatches_in_flight(schedule, plan.pp, pp_rank, m, len(stages)) * len(stages)
         # receive buffers: one per transfer in flight (Megatron-LM), or megascale's pool of the microbatches
-        # in flight, per chunk and direction. ("per_microbatch", the Runtime default, names what megascale's
-        # stages held before they pooled: torch's one per microbatch.)
+        # in flight, per chunk and direction
         if workload.runtime.pipeline_buffers == "per_transfer":
             receive = io * sum((not s.first) + (not s.last) for s in stages)
         else:
