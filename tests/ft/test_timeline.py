@@ -57,8 +57,9 @@ def test_step_timer_records_nested_sections_on_cpu() -> None:
     events = timer.drain()
     json.dumps(events)  # JSON-able for the heartbeat
     assert [e["name"] for e in events] == ["step", "forward", "backward", "wait_allreduce"]
-    assert all(e["step"] == 7 and set(e) == {"name", "step", "start", "dur"} for e in events)
+    assert all(e["step"] == 7 and set(e) == {"name", "step", "start", "dur"} for e in events[1:])
     step, fwd, bwd, wait = events
+    assert step["wait"] == wait["dur"]  # the step carries its waits
     assert [e["start"] for e in events] == sorted(e["start"] for e in events)
     assert abs(step["start"] - time.time()) < 5  # unix seconds
     assert fwd["dur"] >= 0.004 and wait["dur"] >= 0.004
@@ -114,6 +115,43 @@ def test_step_timer_records_host_intervals_between_steps() -> None:
     assert timing.wait < 0.01  # the fetch before the step is not part of it (clipped to the step)
     with pytest.raises(ValueError, match=r"come from StepTimer\.step"):
         timer.record("step", 2, time.time(), 0.1)
+
+
+def test_a_step_carries_its_outermost_waits_and_survives_the_driver_s_event_bound(monkeypatch) -> None:
+    """Nested waits count once, waits outside a step not at all; the driver keeps step events apart from the
+    sections, so straggler detection still sees every step's waits when a big model's thousands of
+    tensor-parallel waits per step overflow the sections kept."""
+    from megascale.ft import monitor as monitor_module
+    from megascale.ft.config import Timeouts
+    from megascale.ft.heartbeat import Heartbeat
+    from megascale.ft.monitor import JobMonitor
+
+    timer = StepTimer(use_cuda=False)
+    with timer.section("wait/data"):  # before any step: not part of one
+        time.sleep(0.002)
+    with timer.step(0):
+        with timer.section("wait/grad-reduce"), timer.section("wait/inner"):
+            time.sleep(0.005)
+        with timer.section("forward"), timer.section("wait/tp-all-reduce"):
+            time.sleep(0.003)
+    events = timer.drain()
+    (step,) = [e for e in events if e["name"] == "step"]
+    outer = [e for e in events if e["name"] in ("wait/grad-reduce", "wait/tp-all-reduce")]
+    assert step["wait"] == pytest.approx(sum(e["dur"] for e in outer), abs=1e-9)
+    assert step_timings(events)[0].wait == pytest.approx(step["wait"], abs=1e-9)
+
+    monkeypatch.setattr(monitor_module, "MAX_EVENTS_PER_RANK", 50)
+    monitor = JobMonitor(2, Timeouts(0.5, 3.0, 8.0, 10.0))
+    for rank, events in _synchronous({0: 0.10, 1: 0.20}, steps=12).items():
+        steps = [e for e in events if e["name"] == "step"]
+        for e in steps:  # what StepTimer now attaches
+            e["wait"] = step_timings(events)[steps.index(e)].wait
+        flood = [_ev("wait/tp-all-reduce", e["step"], e["start"], 0.0) for e in steps for _ in range(40)]
+        monitor.on_heartbeat(Heartbeat(rank=rank, events=[*events, *flood]))
+    kept = monitor.timings()
+    assert all(sum(e["name"] != "step" for e in evs) == 50 for evs in kept.values())  # sections overflowed
+    assert all(sum(e["name"] == "step" for e in evs) == 12 for evs in kept.values())  # steps all kept
+    assert [s.rank for s in find_stragglers(kept)] == [1]
 
 
 def test_step_timer_keeps_at_most_max_events() -> None:

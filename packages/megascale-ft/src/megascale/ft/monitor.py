@@ -19,7 +19,8 @@ from megascale.ft.heartbeat import Heartbeat
 
 __all__ = ["Fault", "JobMonitor", "pid_alive"]
 
-MAX_EVENTS_PER_RANK = 20_000
+MAX_EVENTS_PER_RANK = 20_000  # sections (a big model's TP waits: thousands per step), the newest kept
+MAX_STEPS_PER_RANK = 5_000  # step events, kept apart: they carry their waits, for the straggler window
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,8 @@ class JobMonitor:
         self._ranks: dict[int, _Rank] = {}
         self._anomaly: Fault | None = None
         self._lock = threading.Lock()
-        self.events: dict[int, list[dict[str, Any]]] = {}
+        self.events: dict[int, list[dict[str, Any]]] = {}  # sections
+        self.steps: dict[int, list[dict[str, Any]]] = {}  # step events
         self.hosts: dict[int, str] = {}
         self.coords: dict[int, dict[str, int]] = {}
 
@@ -116,9 +118,14 @@ class JobMonitor:
                 where = " ".join(f"{k}{v}" for k, v in sorted(beat.coords.items()))
                 self.hosts[beat.rank] = f"{where}, {beat.host}"  # labels a timeline row
             if beat.events:
-                kept = self.events.setdefault(beat.rank, [])
-                kept.extend(beat.events)
-                del kept[:-MAX_EVENTS_PER_RANK]
+                for kept, bound, events in (
+                    (self.steps.setdefault(beat.rank, []), MAX_STEPS_PER_RANK,
+                     [e for e in beat.events if e.get("name") == "step"]),
+                    (self.events.setdefault(beat.rank, []), MAX_EVENTS_PER_RANK,
+                     [e for e in beat.events if e.get("name") != "step"]),
+                ):  # fmt: skip
+                    kept.extend(events)
+                    del kept[:-bound]
             if beat.status in ("error", "nan") and self._anomaly is None:
                 kind = "exception" if beat.status == "error" else "nan"
                 since = prev.seen if prev is not None else self.started
@@ -137,7 +144,8 @@ class JobMonitor:
     def timings(self) -> dict[int, list[dict[str, Any]]]:
         """A copy of every rank's timing events so far (see `megascale.ft.timing`)."""
         with self._lock:
-            return {rank: list(events) for rank, events in self.events.items()}
+            ranks = self.steps.keys() | self.events.keys()
+            return {r: [*self.steps.get(r, []), *self.events.get(r, [])] for r in ranks}
 
     def last_steps(self) -> dict[int, int]:
         with self._lock:

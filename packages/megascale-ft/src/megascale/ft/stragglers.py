@@ -76,22 +76,31 @@ class Straggler:
 def step_timings(events: Sequence[Event], *, waits: WaitPredicate | None = None) -> list[StepTiming]:
     """One rank's finished steps in start order, each with the time it spent in wait sections.
 
-    A wait section counts for the step with the same step number, clipped to that step's interval.
+    A wait section counts for the step with the same step number, clipped to that step's interval. A step
+    event that carries its own ``"wait"`` (`megascale.ft.timing.StepTimer` sums them on the rank, so they
+    survive when the driver keeps fewer events than a step has) is taken as it is, unless ``waits`` is given.
     """
+    summed = waits is None
     waits = waits or is_wait
     steps: list[StepTiming] = []
+    given: dict[tuple[int, float], float] = {}
     waiting: dict[int, list[tuple[float, float]]] = {}
     for event in events:
         name, step, start, dur = _fields(event)
         if name == "step":
             steps.append(StepTiming(step, start, dur, 0.0))
+            if summed and event.get("wait") is not None:
+                given[(step, start)] = float(event["wait"])
         elif waits(name):
             waiting.setdefault(step, []).append((start, start + dur))
     steps.sort(key=lambda s: s.start)
-    return [
-        StepTiming(s.step, s.start, s.dur, _covered(waiting.get(s.step, []), s.start, s.start + s.dur))
-        for s in steps
-    ]
+
+    def wait(s: StepTiming) -> float:
+        if (s.step, s.start) in given:
+            return given[(s.step, s.start)]
+        return _covered(waiting.get(s.step, []), s.start, s.start + s.dur)
+
+    return [StepTiming(s.step, s.start, s.dur, wait(s)) for s in steps]
 
 
 def find_stragglers(

@@ -15,6 +15,10 @@ Design choices:
 - **Bounded memory**: at most ``max_events`` finished events are kept between drains; the oldest are
   dropped first and counted in `StepTimer.dropped`, so a driver that stops draining cannot exhaust memory.
 - `drain` may run on another thread (the heartbeat's) while the training thread records.
+- **Per-step waits**: each drained step event carries ``"wait"``, the seconds of the outermost wait sections
+  (``megascale.ft.stragglers.is_wait`` names) begun inside it. A large model times thousands of short waits
+  per step (tensor-parallel collectives); the driver keeps only so many events per rank, but keeps the steps
+  apart, so straggler detection never loses the waits of the steps it looks at.
 - **Pipeline microbatches**: a pipeline stage's forward or backward of one microbatch is a section named
   `microbatch_section` (``"pipeline/F3@s1"``: forward of microbatch 3 on stage 1); events stay
   ``{"name", "step", "start", "dur"}`` and `parse_microbatch_section` reads the fields back (the timeline
@@ -32,6 +36,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, NamedTuple
+
+from megascale.ft.stragglers import is_wait
 
 __all__ = ["MicrobatchSection", "StepTimer", "microbatch_section", "parse_microbatch_section"]
 
@@ -63,6 +69,7 @@ class _Record:
     seq: int  # begin order, which is start order
     name: str
     step: int
+    outer_wait: bool = False  # a wait section begun inside a step, not nested in another wait
     start: float = 0.0  # unix seconds; on GPU filled in when resolved
     dur: float | None = None  # seconds; None until resolved (GPU) or finished (CPU)
     t0: float = 0.0  # perf_counter() at begin (CPU)
@@ -120,6 +127,8 @@ class StepTimer:
         self._in_step = False
         self._last_step: _Record | None = None
         self._last_step_time: float | None = None
+        self._open_waits = 0  # wait sections open now (only the outermost counts toward its step)
+        self._waits: dict[int, float] = {}  # step -> seconds of its outermost waits drained so far
 
     @property
     def use_cuda(self) -> bool:
@@ -146,8 +155,14 @@ class StepTimer:
         step they are attributed to the last step started (-1 before the first)."""
         if name == STEP:
             raise ValueError(f"section name {STEP!r} is reserved for StepTimer.step()")
-        with self._timed(name):
-            yield
+        waiting = is_wait(name)
+        with self._timed(name) as rec:
+            rec.outer_wait = waiting and self._in_step and self._open_waits == 0
+            self._open_waits += waiting
+            try:
+                yield
+            finally:
+                self._open_waits -= waiting
 
     def record(self, name: str, step: int, start: float, dur: float) -> None:
         """Add an interval measured on the host clock (``start`` unix seconds, ``dur`` seconds) as a finished
@@ -155,6 +170,7 @@ class StepTimer:
         if name == STEP:
             raise ValueError(f"{STEP!r} events come from StepTimer.step()")
         rec = _Record(seq=next(self._seq), name=name, step=step, start=start, dur=max(dur, 0.0))
+        rec.outer_wait = is_wait(name) and self._in_step and step == self._step and self._open_waits == 0
         with self._lock:
             self._done.append(rec)
             if len(self._done) > self.max_events:
@@ -164,7 +180,8 @@ class StepTimer:
     def drain(self) -> list[dict[str, Any]]:
         """Return and forget the finished events, in start order.
 
-        Each is ``{"name": str, "step": int, "start": float (unix s), "dur": float (s)}``. Events still
+        Each is ``{"name": str, "step": int, "start": float (unix s), "dur": float (s)}``; a step's also has
+        ``"wait"`` (s, see the module docstring). Events still
         open (the current step) stay for a later drain. On GPU this waits for the drained events' GPU work.
         """
         with self._lock:
@@ -173,7 +190,18 @@ class StepTimer:
         records.sort(key=lambda r: r.seq)
         for rec in records:
             self._resolve(rec)
-        return [{"name": r.name, "step": r.step, "start": r.start, "dur": r.dur} for r in records]
+        for rec in records:  # a step's wait sections end before it does: drained with it or earlier
+            if rec.outer_wait:
+                self._waits[rec.step] = self._waits.get(rec.step, 0.0) + float(rec.dur or 0.0)
+        events: list[dict[str, Any]] = []
+        for r in records:
+            event: dict[str, Any] = {"name": r.name, "step": r.step, "start": r.start, "dur": r.dur}
+            if r.name == STEP:
+                event["wait"] = min(self._waits.pop(r.step, 0.0), float(r.dur or 0.0))
+                for old in [s for s in self._waits if s < r.step]:  # waits of steps never finished
+                    del self._waits[old]
+            events.append(event)
+        return events
 
     @property
     def last_step_time(self) -> float | None:
