@@ -5,6 +5,8 @@
     nox -s tests        every package installed together, every test
     nox -s core         megascale-core alone (likewise lightning, data, ft)
     nox -s integration  all packages together, the tests that need several (megascale-ft on MegaScaleStrategy)
+    nox -s conformance  Lightning's contract: every scenario x layout against one process (``-- --seeds 50``
+                        draws 50 model shapes per cell instead of 1)
     nox -s demo         the main job: a real training run on the embedded default data
     nox -s benchmarks   print each benchmark's figures (slow; not part of CI)
 
@@ -18,7 +20,7 @@ from pathlib import Path
 
 import nox
 
-nox.options.sessions = ["lint", "typecheck", "core", "lightning", "data", "ft", "integration", "docs"]
+nox.options.sessions = ["lint", "typecheck", "core", "lightning", "data", "ft", "integration", "conformance", "docs"]
 nox.options.error_on_missing_interpreters = True
 
 CONSTRAINTS = ".ci/constraints.txt"
@@ -83,6 +85,14 @@ def integration(session: nox.Session) -> None:
     """All four packages installed together; the tests that need several of them (tests/integration)."""
     _install(session, "packages/megascale-core", *PACKAGES.values(), *TEST_DEPS, *BENCH_DEPS)
     _pytest(session, "tests/integration")
+
+
+@nox.session
+def conformance(session: nox.Session) -> None:
+    """The conformance matrix (tests/conformance): megascale-lightning and megascale-core installed alone, every
+    Lightning scenario under every layout against one process; docs/guides/guarantees.md is its table."""
+    _install(session, "packages/megascale-core", PACKAGES["lightning"], *TEST_DEPS)
+    _pytest(session, "tests/conformance")
 
 
 @nox.session

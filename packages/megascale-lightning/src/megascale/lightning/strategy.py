@@ -22,7 +22,7 @@ from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -44,25 +44,24 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from megascale.core import GPTConfig
 from megascale.core.parallel.compose import CheckpointLayout, ParallelRuntime, parallelize
 from megascale.core.parallel.grad_clip import SumGroup
-from megascale.core.parallel.mesh import ParallelDims
+from megascale.core.parallel.mesh import MESH_DIMS, ParallelDims
 from megascale.core.parallel.plan import ParallelPlan
 from megascale.core.parallel.wait_timer import ComputeTimer, Timers, WaitTimer, untimed
 from megascale.lightning import checkpoint_io
+from megascale.lightning.callback_support import check_trainer_features
 from megascale.lightning.memory_check import layout_memory_warning
 from megascale.lightning.pipeline_loop import PipelineLoop
 from megascale.lightning.precision import to_megascale_precision
 from megascale.lightning.weight_readers import weight_readers_between_steps
 
 RNG_KEY = "megascale_rng"  # in meta.pt: every rank's dropout streams (tp / pp layouts)
-
-if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["MegaScaleStrategy"]
 
@@ -105,6 +104,9 @@ class MegaScaleStrategy(ParallelStrategy):
             ``reset_parameters()`` (a module with neither is refused by name).
         process_group_backend: "nccl", "gloo", ... (default: by device).
         timeout: collective timeout.
+        device_mesh: a ("dp", "pp", "tp") mesh to train on instead of building one at each fit
+            (``ParallelDims.build_mesh``), for several fits in one process: each new mesh creates process
+            groups that stay open (sockets, store keys) until the process ends.
     """
 
     strategy_name = "megascale"
@@ -130,6 +132,7 @@ class MegaScaleStrategy(ParallelStrategy):
         meta_init: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        device_mesh: DeviceMesh | None = None,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
@@ -157,6 +160,7 @@ class MegaScaleStrategy(ParallelStrategy):
         self.num_nodes = 1
         self._dims: ParallelDims | None = None
         self._mesh: DeviceMesh | None = None
+        self._given_mesh = device_mesh
         self._runtime: ParallelRuntime | None = None
         self._pipeline_loop: PipelineLoop | None = None
         self._wait_after_step = False  # ZeRO-1: hooks between steps read weights (see setup)
@@ -269,13 +273,26 @@ class MegaScaleStrategy(ParallelStrategy):
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
         _init_dist_connection(self.cluster_environment, backend, **kwargs)
-        self._mesh = self._dims.build_mesh(self.root_device.type)
+        self._mesh = self._mesh_for(self._dims)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._mesh
         rank_zero_info(
             f"MegaScaleStrategy: dp={self._dims.dp} × pp={self._dims.pp} × tp={self._dims.tp} "
             f"(world {self._dims.world_size}), ZeRO stage {self.zero_stage}"
         )
+
+    def _mesh_for(self, dims: ParallelDims) -> DeviceMesh:
+        given = self._given_mesh
+        if given is None:
+            return dims.build_mesh(self.root_device.type)
+        shape = tuple(given.mesh.shape)
+        if given.mesh_dim_names != MESH_DIMS or shape != (dims.dp, dims.pp, dims.tp):
+            raise ValueError(
+                f"device_mesh has dimensions {given.mesh_dim_names} of sizes {shape}; this layout needs "
+                f"{MESH_DIMS} of sizes {(dims.dp, dims.pp, dims.tp)}: build it with "
+                f"ParallelDims(dp={dims.dp}, pp={dims.pp}, tp={dims.tp}).build_mesh(device_type)"
+            )
+        return given
 
     @override
     def model_to_device(self) -> None:
@@ -311,6 +328,8 @@ class MegaScaleStrategy(ParallelStrategy):
                 self._pipeline_loop = PipelineLoop(self._runtime.pipeline, self.model)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
+            assert self.lightning_module is not None
+            check_trainer_features(trainer, self.lightning_module, self.dims, self.zero_stage)
             self.setup_optimizers(trainer)
             self.runtime.zero.attach_optimizers(self.optimizers)
             if self._wait_timer is not None:

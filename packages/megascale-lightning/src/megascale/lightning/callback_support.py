@@ -1,0 +1,73 @@
+"""Lightning features that read or copy the whole model, checked against the layout when a fit starts.
+
+Some of Lightning's own callbacks and modes assume every rank holds every parameter whole, as DDP does. Under
+MegaScaleStrategy a parameter may be a tensor-parallel shard or a ZeRO-2/3 shard (a DTensor), or live on
+another pipeline stage. Each case here is either made to work or refused, before the first step, with a message
+that names the feature, the layout and what to do instead:
+
+- ``StochasticWeightAveraging`` deep-copies the LightningModule in ``setup`` (before the model is split) and
+  averages it parameter by parameter against the split model: wrong pairs under pp (a stage holds fewer
+  parameters) and mixed DTensor/Tensor arithmetic under tp or ZeRO-2/3. Refused there; exact under dp with
+  ZeRO-0/1 (an EMA callback over ``pl_module.parameters()`` works under every layout).
+- manual optimization (``automatic_optimization = False``) with pp > 1: a pipeline step runs forward and
+  backward for all microbatches inside ``training_step``; a second forward and step by hand cannot be
+  scheduled through it. Refused.
+- ``BaseFinetuning.unfreeze_and_add_param_group`` drops parameters already in the optimizer by comparing
+  values (``torch.equal``) with every optimizer parameter, which raises for a DTensor against a plain tensor:
+  refused where the model holds both (tensor parallelism, or a model sharded by its own ``fully_shard``), with
+  the two lines that do the same by hand. Freezing (``freeze_before_training``) and unfreezing by hand work
+  under every layout.
+"""
+
+from __future__ import annotations
+
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import BaseFinetuning, StochasticWeightAveraging
+from torch import nn
+
+from megascale.core._dtensor import is_dtensor
+from megascale.core.parallel.mesh import ParallelDims
+
+__all__ = ["check_trainer_features"]
+
+
+def _layout(dims: ParallelDims, zero_stage: int) -> str:
+    return f"dp={dims.dp} × pp={dims.pp} × tp={dims.tp}, ZeRO stage {zero_stage}"
+
+
+def check_trainer_features(
+    trainer: Trainer, module: LightningModule, dims: ParallelDims, zero_stage: int
+) -> None:
+    """Refuse (ValueError) what the layout cannot do for this fit's callbacks and module; adapt what it can.
+    Called once the model is split, before the first step."""
+    layout = _layout(dims, zero_stage)
+    sharded = dims.tp > 1 or dims.pp > 1 or (dims.dp > 1 and zero_stage >= 2)
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        if isinstance(callback, StochasticWeightAveraging) and sharded:
+            raise ValueError(
+                f"StochasticWeightAveraging cannot run under MegaScaleStrategy at {layout}: it averages a whole "
+                "copy of the LightningModule made before the model is split against the split parameters (tensor- "
+                "or ZeRO-2/3 shards, or one pipeline stage's layers). Use tp=1, pp=1 and zero_stage 0 or 1, or keep "
+                "an average of your own over pl_module.parameters() in a callback (an EMA), which every layout runs"
+            )
+        if isinstance(callback, BaseFinetuning) and _mixes_dtensors(module):
+            raise ValueError(
+                f"{type(callback).__name__} (BaseFinetuning) cannot unfreeze under MegaScaleStrategy at {layout}: "
+                "its unfreeze_and_add_param_group compares every parameter by value with torch.equal, which fails "
+                "between the tensor-parallel shards (DTensors) and plain parameters this model holds. In "
+                "finetune_function unfreeze by hand instead: `for p in modules.parameters(): p.requires_grad_(True)` "
+                "then `optimizer.add_param_group({'params': [those parameters], 'lr': ...})` (works under every "
+                "layout), or use tp=1"
+            )
+    if not module.automatic_optimization and dims.pp > 1:
+        raise ValueError(
+            f"manual optimization (automatic_optimization=False) cannot run with pipeline parallelism ({layout}): "
+            "a pipeline step runs the forward and backward of every microbatch inside training_step, so steps by "
+            "hand cannot be interleaved with it. Use pp=1 (tp and ZeRO work with manual optimization), or "
+            "automatic optimization"
+        )
+
+
+def _mixes_dtensors(module: nn.Module) -> bool:
+    kinds = {is_dtensor(p) for p in module.parameters()}
+    return kinds == {True, False}

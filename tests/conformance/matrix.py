@@ -1,0 +1,133 @@
+"""The cells of the matrix and the launches that run them.
+
+A cell is (scenario, seed, layout) — or a resume cell: the "plain" scenario saved at its first epoch's end
+under one layout and resumed under another. Launches, in order (a resume needs its checkpoint saved first):
+
+1. the reference: one process, every (scenario, seed) needed;
+2. every world-2 layout's cells in one torchrun launch of 2 ranks, then its resumes of world-2 checkpoints;
+3. the same for world 4, resuming world-2 and world-4 checkpoints;
+4. world-2 layouts resuming world-4 checkpoints (a run shrunk after losing ranks).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tests.conformance.scenarios import LAYOUT, LAYOUTS, SCENARIOS, Layout, resume_pairs
+from tests.lightning._launch import ROOT, clean_env, free_port
+
+LAUNCH_TIMEOUT_S = 1800
+
+
+def slug(name: str) -> str:
+    return name.replace("/", "_").replace("×", "x")
+
+
+@dataclass(frozen=True)
+class Cell:
+    scenario: str
+    seed: int
+    layout: str | None  # None: the one-process reference
+    saved_under: str | None = None  # resume cells: the layout whose checkpoint is resumed
+
+    @property
+    def id(self) -> str:
+        where = "reference" if self.layout is None else slug(self.layout)
+        if self.saved_under is not None:
+            return f"resume-s{self.seed}-{slug(self.saved_under)}-to-{where}"
+        return f"{self.scenario}-s{self.seed}-{where}"
+
+    @property
+    def reference(self) -> Cell:
+        return Cell(self.scenario, self.seed, None)
+
+    @property
+    def saver(self) -> Cell:
+        assert self.saved_under is not None
+        return Cell("plain", self.seed, self.saved_under)
+
+
+def all_cells(seeds: int) -> list[Cell]:
+    cells = [Cell(s.name, seed, layout.name) for seed in range(seeds) for s in SCENARIOS for layout in LAYOUTS
+             if layout.tp > 1 or not s.tp_only]  # fmt: skip
+    pairs = resume_pairs()
+    shrink = [(b, a) for a, b in pairs if a.world == 2 and b.world == 4]
+    shrink = [pair for i, pair in enumerate(shrink) if i % 3 == 0]  # each world-4 layout → some world-2 ones
+    cells += [Cell("plain", seed, b.name, a.name) for seed in range(seeds) for a, b in [*pairs, *shrink]]
+    return cells
+
+
+def _launch_of(cell: Cell) -> int:
+    assert cell.layout is not None
+    layout = LAYOUT[cell.layout]
+    if cell.saved_under is not None and LAYOUT[cell.saved_under].world > layout.world:
+        return 4  # after the world-4 launch saved its checkpoints
+    return 2 if layout.world == 2 else 3
+
+
+def run(cells: list[Cell], out: Path) -> None:
+    """Run ``cells`` (and the references and saved checkpoints they need); results land in ``out``."""
+    needed = set(cells)
+    needed |= {c.saver for c in cells if c.saved_under is not None}
+    needed |= {c.reference for c in list(needed)}
+    launches: dict[int, list[Cell]] = {1: [], 2: [], 3: [], 4: []}
+    for cell in sorted(needed, key=_order):
+        launches[1 if cell.layout is None else _launch_of(cell)].append(cell)
+    for number, group in launches.items():
+        if group:
+            _launch(group, 1 if number == 1 else LAYOUT[group[0].layout].world, out, f"launch{number}")  # type: ignore[index]
+
+
+def _order(cell: Cell) -> tuple[int, int, int, int]:
+    """Within a launch: plain cells before resumes, layouts in LAYOUTS order, then scenarios."""
+    layouts = [layout.name for layout in LAYOUTS]
+    position = layouts.index(cell.layout) if cell.layout else -1
+    scenario = [s.name for s in SCENARIOS].index(cell.scenario)
+    return (cell.saved_under is not None, position, scenario, cell.seed)
+
+
+def _launch(cells: list[Cell], world: int, out: Path, name: str) -> None:
+    jobs = []
+    for cell in cells:
+        resume = None
+        if cell.saved_under is not None:
+            resume = str(out / "work" / cell.saver.id / "epochs" / "epoch=0.ckpt")
+        jobs.append(dict(cell=cell.id, scenario=cell.scenario, seed=cell.seed, layout=cell.layout,
+                         resume_from=resume, work=str(out / "work" / cell.id)))  # fmt: skip
+    spec = out / f"{name}.json"
+    spec.write_text(json.dumps({"jobs": jobs}))
+    runner = ["-m", "tests.conformance.runner", str(spec), str(out)]
+    if world == 1:
+        command = [sys.executable, *runner]
+    else:
+        command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}",
+                   "--master-addr=127.0.0.1", f"--master-port={free_port()}", *runner]  # fmt: skip
+    log = out / f"{name}.log"
+    with log.open("w") as f:
+        proc = subprocess.run(command, env=clean_env(), cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+                              timeout=LAUNCH_TIMEOUT_S, check=False)  # fmt: skip
+    if proc.returncode != 0:
+        (out / f"{name}.failed").write_text(f"exit {proc.returncode}; see {log}")
+
+
+def result(cell: Cell, out: Path) -> dict[str, Any]:
+    """The cell's result, with every rank's error (a fit that raised on some ranks only is out of step)."""
+    path = out / f"{cell.id}.pt"
+    if not path.exists():
+        logs = sorted(out.glob("launch*.log"))
+        tail = "\n".join(p.read_text()[-3000:] for p in logs)
+        return {"status": "missing", "error": f"no result for {cell.id}; launch logs:\n{tail}"}
+    found = torch.load(path, weights_only=True)
+    found["rank_errors"] = {p.name: p.read_text() for p in sorted(out.glob(f"{cell.id}.rank*.error"))}
+    return found
+
+
+def layouts_of(world: int) -> list[Layout]:
+    return [layout for layout in LAYOUTS if layout.world == world]

@@ -1,0 +1,324 @@
+"""The LightningModule every conformance cell trains: a small transformer of a user's own, with switches.
+
+``ConformanceModule(shape, features)`` is what a Lightning user writes (``nn.Embedding``, ``nn.Linear``,
+``nn.LayerNorm``, ``F.scaled_dot_product_attention``; built in ``configure_model``), and joins megascale's
+layouts only by what it declares: a ``tensor_parallel_plan`` and ``pipeline_layers()``/``pipeline_loss()``.
+``shape`` (drawn from a seed by ``scenarios.draw_shape``) sets depth, width, heads, biases; ``features``
+switch on what a scenario exercises (frozen parameters, LayerDrop, manual optimization, schedulers, ...).
+
+Initial weights are the same in every layout and on one process: ``init_weights()`` draws each parameter
+from a generator seeded by its name. MegaScaleStrategy calls it after materialising the meta-device model
+(it sees split parameters whole); on one process ``configure_model`` calls it itself.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities import grad_norm
+from torch import nn
+
+from megascale.core.model import PipelineLayers
+
+LR = 1e-2
+# AdamW's eps bounds how much it amplifies rounding noise in a near-zero gradient (each layout sums in its own
+# order): an element's update differs by at most ~lr·noise/eps between layouts.
+EPS = 1e-6
+
+
+class Attention(nn.Module):
+    def __init__(self, width: int, heads: int, kv_heads: int, bias: bool, fused: bool, mask_len: int) -> None:
+        super().__init__()
+        self.head_dim = width // heads
+        self.kv_width = kv_heads * self.head_dim
+        self.fused = fused
+        # No key bias: softmax ignores it (it adds the same q·b to a query's every score), so its gradient is
+        # rounding noise that AdamW would turn into ±lr steps, different in every layout.
+        if fused:  # one projection for q, k and v, chunked after (GPT-2's c_attn)
+            self.qkv = nn.Linear(width, width + 2 * self.kv_width, bias=False)
+        else:
+            self.q = nn.Linear(width, width, bias=bias)
+            self.k = nn.Linear(width, self.kv_width, bias=False)
+            self.v = nn.Linear(width, self.kv_width, bias=bias)
+        self.o = nn.Linear(width, width, bias=bias)
+        if mask_len:  # a causal mask computed in __init__, as many user models (and nanoGPT) keep one
+            self.register_buffer("mask", torch.ones(mask_len, mask_len).tril().bool(), persistent=False)
+        else:
+            self.mask = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:  # q ‖ k ‖ v (as many heads each): a column split must cut each part, not the whole
+            q, k, v = self.qkv(x).chunk(3, dim=-1)
+        else:
+            q, k, v = self.q(x), self.k(x), self.v(x)
+        B, T = q.shape[:2]  # from a projection: under sequence parallelism x holds T/tp positions
+        q = q.reshape(B, T, -1, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
+        k = k.reshape(B, T, -1, self.head_dim).transpose(1, 2)
+        v = v.reshape(B, T, -1, self.head_dim).transpose(1, 2)
+        if self.mask is not None:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask[:T, :T], enable_gqa=True)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.o(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, width: int, bias: bool, fused: bool) -> None:
+        super().__init__()
+        self.fused = fused
+        if fused:  # gate ‖ up in one Linear (SwiGLU as many checkpoints store it)
+            self.gate_up = nn.Linear(width, 4 * width, bias=bias)
+        else:
+            self.up = nn.Linear(width, 2 * width, bias=bias)
+        self.down = nn.Linear(2 * width, width, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            gate, up = self.gate_up(x).chunk(2, dim=-1)
+            return self.down(F.silu(gate) * up)
+        return self.down(F.gelu(self.up(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, width: int, heads: int, kv_heads: int, bias: bool, fused: bool, mask_len: int,
+                 layer_scale: bool) -> None:  # fmt: skip
+        super().__init__()
+        self.attn_norm = nn.LayerNorm(width, bias=bias)
+        self.attn = Attention(width, heads, kv_heads, bias, fused, mask_len)
+        self.mlp_norm = nn.LayerNorm(width, bias=bias)
+        self.mlp = MLP(width, bias, fused)
+        # a learned per-block gain (LayerScale / ReZero), a plain parameter held by the block itself
+        self.gain = nn.Parameter(torch.ones(width)) if layer_scale else None
+        self.active = True  # LayerDrop: the LightningModule switches blocks off for a step
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.active:
+            return x
+        h = x + self.attn(self.attn_norm(x))
+        out = h + self.mlp(self.mlp_norm(h))
+        return x + (out - x) * self.gain if self.gain is not None else out
+
+
+class Head(nn.Module):
+    def __init__(self, width: int, vocab: int, bias: bool, unused: bool) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width, bias=bias)
+        self.proj = nn.Linear(width, vocab, bias=False)
+        self.unused = nn.Parameter(torch.zeros(width)) if unused else None  # no forward reads it
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.norm(x))
+
+
+class Net(nn.Module):
+    """Embedding → blocks → head; lists its layers and loss for pipelines; declares its TP plan."""
+
+    def __init__(self, shape: dict[str, Any], features: dict[str, Any]) -> None:
+        super().__init__()
+        vocab, width, seq = shape["vocab"], shape["width"], shape["seq"]
+        self.features = features
+        self.embed = nn.Embedding(vocab, width)
+        self.pos = nn.Embedding(seq, width) if features.get("pos_embed") else None
+        mask_len = seq if features.get("mask_buffer") else 0
+        heads = shape["heads"]
+        kv_heads = heads if features.get("fused") else shape["kv_heads"]
+        self.blocks = nn.ModuleList(
+            Block(width, heads, kv_heads, shape["bias"], bool(features.get("fused")), mask_len,
+                  bool(features.get("layer_scale")))
+            for _ in range(shape["layers"])
+        )  # fmt: skip
+        self.head = Head(width, vocab, shape["bias"], bool(features.get("unused")))
+        if features.get("tie") or features.get("tie_unplanned"):
+            self.head.proj.weight = self.embed.weight
+
+    def tensor_parallel_plan(self) -> dict[str, Any] | None:
+        f = self.features
+        if f.get("own_parallelize"):
+            return None  # the LightningModule splits it itself (ModelParallelStrategy's way)
+        plan: dict[str, Any] = {
+            "embed": "rowwise",
+            "blocks.*.attn.o": "rowwise",
+            "blocks.*.mlp.down": "rowwise",
+        }
+        if not f.get("tie_unplanned"):  # a head tied to the split embedding, itself left out of the plan
+            plan["head.proj"] = "colwise_rep"
+        if f.get("fused"):
+            plan |= {"blocks.*.attn.qkv": "colwise", "blocks.*.mlp.gate_up": "colwise"}
+        else:
+            plan |= {"blocks.*.attn.q": "colwise", "blocks.*.attn.k": "colwise", "blocks.*.attn.v": "colwise",
+                     "blocks.*.mlp.up": "colwise"}  # fmt: skip
+        norms = ["blocks.*.attn_norm", "blocks.*.mlp_norm", "head.norm"]
+        if f.get("torch_sp_norms"):  # torch's own SequenceParallel style for the norms
+            from torch.distributed.tensor.parallel import SequenceParallel
+
+            plan |= {n: SequenceParallel() for n in norms}
+        elif not f.get("unmarked_norms"):  # as Hugging Face's base_model_tp_plan: norms left out
+            plan |= {n: "sequence_parallel" for n in norms}
+        if f.get("layer_scale") and not f.get("unmarked_norms"):
+            plan |= {"blocks.*": "sequence_parallel"}
+        return plan
+
+    def pipeline_layers(self) -> PipelineLayers:
+        first: list[nn.Module] = [self.embed] if self.pos is None else [self.embed, self.pos]
+        return PipelineLayers(first=first, blocks=list(self.blocks), last=[self.head])
+
+    def pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.embed(tokens)
+        if self.pos is not None:
+            x = x + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(x)
+        return logits if targets is None else self.pipeline_loss(logits, targets)
+
+
+def _seed(name: str) -> int:
+    return zlib.crc32(name.encode())
+
+
+class ConformanceModule(LightningModule):
+    """A user's LightningModule; ``features`` (all optional):
+
+    frozen: parameter-name substrings with requires_grad=False from the start; unused: a parameter no forward
+    reads; layerdrop: block i is skipped on steps where (step + i) % 3 == 0; manual: two AdamW optimizers
+    (blocks; embedding and head) stepped by hand in one training_step, the second forward reading what the
+    first step wrote; schedulers: a per-step warm-up and a per-epoch decay on one optimizer; log_grad_norm:
+    Lightning's grad_norm logged in on_before_optimizer_step; clip_in_module: configure_gradient_clipping
+    clips by norm through Lightning's clip_gradients; torch_clip: ...through torch.nn.utils.clip_grad_norm_;
+    sgd: plain SGD (for bf16-mixed, whose AdamW updates would hide a defect in rounding noise); eager: the
+    model built in ``__init__`` on real tensors (BaseFinetuning and StochasticWeightAveraging read or copy it
+    in their ``setup``, before ``configure_model`` runs); and the
+    model's own: tie, tie_unplanned (the tied head left out of the TP plan), pos_embed, mask_buffer, fused,
+    layer_scale, unmarked_norms, torch_sp_norms; own_parallelize: configure_model splits the model itself
+    on ``self.device_mesh`` as a module written for ModelParallelStrategy does.
+    """
+
+    def __init__(self, shape: dict[str, Any], features: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        self.shape, self.features = dict(shape), dict(features or {})
+        self.net: Net | None = None
+        self.automatic_optimization = not self.features.get("manual")
+        if self.features.get("eager"):  # built here, as callbacks that copy or freeze it in setup() need
+            self.configure_model()
+
+    def configure_model(self) -> None:
+        if self.net is not None:
+            return
+        self.net = Net(self.shape, self.features)
+        for name, p in self.named_parameters():
+            if any(part in name for part in self.features.get("frozen", ())):
+                p.requires_grad_(False)
+        if self.features.get("own_parallelize") and self.device_mesh is not None:
+            self._parallelize(self.net)
+        if not any(p.is_meta for p in self.parameters()):  # one process builds real tensors: initialise
+            self.init_weights()
+
+    def _parallelize(self, net: Net) -> None:
+        """As a module written for Lightning's ModelParallelStrategy does: torch's tensor parallelism on the
+        "tensor_parallel" mesh, FSDP2 on the "data_parallel" mesh."""
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        assert self.device_mesh is not None
+        tp, dp = self.device_mesh["tensor_parallel"], self.device_mesh["data_parallel"]
+        for block in net.blocks:
+            if tp.size() > 1:
+                parallelize_module(block, tp, {"mlp.up": ColwiseParallel(), "mlp.down": RowwiseParallel()})
+            fully_shard(block, mesh=dp)
+        fully_shard(net, mesh=dp)
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Every parameter from a generator seeded by its name: the same values in any layout."""
+        for name, p in self.named_parameters():
+            g = torch.Generator().manual_seed(_seed(name))
+            values = torch.randn(p.shape, generator=g)
+            if p.dim() >= 2:
+                values = values * 0.1
+            elif name.endswith(("norm.weight", "gain")):
+                values = 1.0 + 0.1 * values
+            else:
+                values = 0.1 * values
+            p.copy_(values.to(p.dtype))
+
+    # ---- steps ------------------------------------------------------------------------------------------
+
+    def _loss(self, batch: Any) -> torch.Tensor:
+        assert self.net is not None
+        inputs, targets = batch
+        return self.net(inputs, targets)
+
+    def _set_layerdrop(self) -> None:
+        if self.features.get("layerdrop") and self.net is not None:
+            for i, block in enumerate(self.net.blocks):
+                block.active = (self.global_step + i) % 3 != 0
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
+        self._set_layerdrop()
+        if self.features.get("manual"):
+            return self._manual_step(batch)
+        loss = self._loss(batch)
+        self.log("train/loss", loss.detach(), on_step=True, sync_dist=True)
+        if self.features.get("schedulers"):
+            self.log("lr", self.optimizers().param_groups[0]["lr"], on_step=True)
+        return loss
+
+    def _manual_step(self, batch: Any) -> None:
+        first, second = self.optimizers()  # type: ignore[misc]
+        loss = self._loss(batch)
+        first.zero_grad()
+        self.manual_backward(loss)
+        first.step()
+        # the second forward reads what the first step wrote (a GAN's discriminator step after the generator's)
+        loss2 = self._loss(batch)
+        second.zero_grad()
+        self.manual_backward(loss2)
+        second.step()
+        self.log("train/loss", loss.detach(), on_step=True, sync_dist=True)
+        self.log("train/loss2", loss2.detach(), on_step=True, sync_dist=True)
+        return None
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val/loss", self._loss(batch), on_epoch=True, sync_dist=True)
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.features.get("log_grad_norm"):
+            self.log_dict(grad_norm(self, norm_type=2))
+
+    def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: Any = None,
+                                    gradient_clip_algorithm: Any = None) -> None:  # fmt: skip
+        if self.features.get("clip_in_module"):
+            self.clip_gradients(optimizer, gradient_clip_val=0.05, gradient_clip_algorithm="norm")
+        elif self.features.get("torch_clip"):
+            norm = torch.nn.utils.clip_grad_norm_([p for p in self.parameters() if p.grad is not None], 0.05)
+            self.log("user/grad_norm", norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        else:
+            super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+    def configure_optimizers(self) -> Any:
+        assert self.net is not None
+        if self.features.get("manual"):
+            blocks = [p for p in self.net.blocks.parameters() if p.requires_grad]
+            rest = [
+                p for n, p in self.net.named_parameters() if not n.startswith("blocks.") and p.requires_grad
+            ]
+            return torch.optim.AdamW(blocks, lr=LR, eps=EPS), torch.optim.AdamW(rest, lr=LR, eps=EPS)
+        params = [p for p in self.parameters() if p.requires_grad]
+        if self.features.get("sgd"):
+            return torch.optim.SGD(params, lr=0.5, momentum=0.9)
+        optimizer = torch.optim.AdamW(params, lr=LR, weight_decay=0.1, eps=EPS)
+        if not self.features.get("schedulers"):
+            return optimizer
+        warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 3))
+        decay = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        return [optimizer], [
+            {"scheduler": warmup, "interval": "step"},
+            {"scheduler": decay, "interval": "epoch"},
+        ]

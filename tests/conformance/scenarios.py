@@ -1,0 +1,243 @@
+"""What the conformance matrix runs: layouts × scenarios, and what each cell must give.
+
+A **scenario** is a LightningModule configuration (``model.ConformanceModule`` features), Trainer flags and
+callbacks — an ordinary Lightning workflow. A **layout** is a ``MegaScaleStrategy`` configuration and a world
+size. Every cell trains the scenario under the layout on gloo ranks and must give what one process gives on
+the union batch (Lightning's ``DistributedSampler`` decides which rank sees which samples; one process uses
+the same sampler at one replica) — or be refused, with a message naming the feature, declared here in
+``REFUSED`` and checked against what the strategy actually says.
+
+Every global batch is ``GLOBAL_BATCH`` sequences (each rank ``GLOBAL_BATCH / dp``), so the union batch of a
+step is the same set of samples for every dp; the reference runs once per scenario and seed.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+VOCAB, SEQ, GLOBAL_BATCH = 64, 8, 4
+TRAIN_SEQUENCES, VAL_SEQUENCES = 8, 8  # 2 optimizer steps per epoch
+
+
+@dataclass(frozen=True)
+class Layout:
+    name: str
+    strategy: dict[str, Any]
+    world: int
+
+    @property
+    def tp(self) -> int:
+        return int(self.strategy.get("tp", 1))
+
+    @property
+    def pp(self) -> int:
+        return int(self.strategy.get("pp", 1))
+
+    @property
+    def dp(self) -> int:
+        return self.world // (self.tp * self.pp)
+
+    @property
+    def zero(self) -> int:
+        return int(self.strategy.get("zero_stage", 1)) if self.dp > 1 else 0
+
+
+LAYOUTS = [
+    Layout("dp2/zero0", dict(zero_stage=0), 2),
+    Layout("dp2/zero1", dict(zero_stage=1), 2),
+    Layout("dp2/zero1-params", dict(zero_stage=1, zero1_sharding="parameters"), 2),
+    Layout("dp2/zero2", dict(zero_stage=2), 2),
+    Layout("dp2/zero3", dict(zero_stage=3), 2),
+    Layout("tp2", dict(tp=2), 2),
+    Layout("tp2/no-sp", dict(tp=2, sequence_parallel=False), 2),
+    Layout("pp2", dict(pp=2), 2),
+    Layout("tp2×dp2/zero1", dict(tp=2, zero_stage=1), 4),
+    Layout("tp2×pp2", dict(tp=2, pp=2), 4),
+    Layout("pp2×dp2/zero2", dict(pp=2, zero_stage=2), 4),
+]
+LAYOUT = {layout.name: layout for layout in LAYOUTS}
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One Lightning workflow. ``features``: ``ConformanceModule`` switches; ``trainer``: Trainer flags
+    (``max_epochs`` 2 unless given); ``callbacks``: names from ``callbacks.CALLBACKS``; ``validate``: run
+    validation (``val_check_interval`` in ``trainer``); ``saves``: a checkpoint at every epoch's end, which
+    other layouts resume from (the resume cells)."""
+
+    name: str
+    what: str
+    features: dict[str, Any] = field(default_factory=dict)
+    trainer: dict[str, Any] = field(default_factory=dict)
+    callbacks: tuple[str, ...] = ()
+    validate: bool = False
+    saves: bool = False
+    bf16: bool = False
+    tp_only: bool = False  # only meaningful where tp > 1 (a tensor_parallel_plan's edge)
+
+
+SCENARIOS = [
+    Scenario(
+        "plain",
+        "AdamW, weight decay, clipping by norm; a checkpoint at each epoch's end",
+        trainer=dict(gradient_clip_val=0.05),
+        saves=True,
+    ),
+    Scenario(
+        "finetuning",
+        "BaseFinetuning: blocks frozen in setup, unfrozen with add_param_group at epoch 1",
+        features=dict(eager=True),
+        trainer=dict(max_epochs=3),
+        callbacks=("finetune",),
+    ),
+    Scenario(
+        "add-param-group",
+        "parameters frozen from the start join the optimizer mid-epoch (step 3)",
+        features=dict(frozen=("head.norm",)),
+        trainer=dict(max_epochs=3),
+        callbacks=("add_group",),
+    ),
+    Scenario(
+        "frozen",
+        "requires_grad=False from the start (an embedding and a block's norm)",
+        features=dict(frozen=("embed.", "blocks.0.attn_norm")),
+    ),
+    Scenario(
+        "freeze-mid-run",
+        "a block frozen at step 2 while it stays in the optimizer: it must not move",
+        trainer=dict(max_epochs=3),
+        callbacks=("freeze_mid",),
+    ),
+    Scenario(
+        "unused",
+        "LayerDrop (a block skipped on some steps) and a parameter no forward reads",
+        features=dict(layerdrop=True, unused=True),
+        trainer=dict(max_epochs=3),
+    ),
+    Scenario(
+        "manual",
+        "manual optimization: two optimizers stepped in one training_step",
+        features=dict(manual=True),
+    ),
+    Scenario(
+        "schedulers",
+        "a per-step warm-up and a per-epoch decay on one optimizer",
+        features=dict(schedulers=True),
+        trainer=dict(max_epochs=3),
+    ),
+    Scenario(
+        "accumulate", "accumulate_grad_batches=2", trainer=dict(accumulate_grad_batches=2, max_epochs=3)
+    ),
+    Scenario(
+        "clip-value",
+        "gradient_clip_val by value",
+        trainer=dict(gradient_clip_val=0.02, gradient_clip_algorithm="value"),
+    ),
+    Scenario(
+        "grad-norm",
+        "grad_norm logged in on_before_optimizer_step; clip_gradients in the module",
+        features=dict(log_grad_norm=True, clip_in_module=True),
+    ),
+    Scenario(
+        "swa",
+        "StochasticWeightAveraging from epoch 1",
+        features=dict(eager=True),
+        trainer=dict(max_epochs=3),
+        callbacks=("swa",),
+    ),
+    Scenario("ema", "an EMA callback reading every weight after each step", callbacks=("ema",)),
+    Scenario("tied", "embedding tied to the output layer", features=dict(tie=True)),
+    Scenario("buffers", "a causal-mask buffer computed in __init__", features=dict(mask_buffer=True)),
+    Scenario("bf16", "bf16-mixed (SGD with momentum)", features=dict(sgd=True), bf16=True),
+    Scenario(
+        "validation",
+        "validation every batch mid-epoch (val_check_interval=1)",
+        trainer=dict(val_check_interval=1),
+        validate=True,
+    ),
+    Scenario(
+        "torch-clip",
+        "the module clips with torch.nn.utils.clip_grad_norm_ itself and logs the norm",
+        features=dict(torch_clip=True),
+    ),
+    Scenario(
+        "model-parallel-module",
+        "configure_model applies torch TP and fully_shard itself "
+        "(a module written for ModelParallelStrategy)",
+        features=dict(own_parallelize=True),
+    ),
+    Scenario("pos-embed", "learned position embeddings", features=dict(pos_embed=True)),
+    Scenario(
+        "layer-scale",
+        "a learned gain held by each block, marked 'sequence_parallel' in the plan",
+        features=dict(layer_scale=True),
+    ),
+    Scenario(
+        "unmarked-norms",
+        "a tensor_parallel_plan that leaves the norms (and block gains) out, as "
+        "Hugging Face's base_model_tp_plan does",
+        features=dict(unmarked_norms=True, layer_scale=True),
+        tp_only=True,
+    ),
+    Scenario(
+        "torch-sp-norms",
+        "torch's own SequenceParallel style on the norms",
+        features=dict(torch_sp_norms=True),
+        tp_only=True,
+    ),
+    Scenario(
+        "fused-colwise",
+        "'colwise' on fused projections (qkv and gate‖up in one Linear)",
+        features=dict(fused=True),
+        tp_only=True,
+    ),
+    Scenario(
+        "tied-unplanned",
+        "an output layer tied to the split embedding but left out of the plan",
+        features=dict(tie_unplanned=True),
+        tp_only=True,
+    ),
+]
+SCENARIO = {s.name: s for s in SCENARIOS}
+
+
+def draw_shape(seed: int, scenario: str) -> dict[str, Any]:
+    """A small random transformer: depth, width, heads, kv heads, biases (every layout can split it)."""
+    rng = random.Random(f"{seed}/{scenario}")
+    heads = rng.choice([2, 4])
+    return dict(vocab=VOCAB, seq=SEQ, layers=rng.choice([2, 3, 4]), width=rng.choice([16, 32]), heads=heads,
+                kv_heads=rng.choice(sorted({2, heads})), bias=rng.random() < 0.5)  # fmt: skip
+
+
+# ---- what is refused, by name -------------------------------------------------------------------------
+# {scenario: [(predicate on the layout, words the refusal must contain)]}; every other cell must be exact.
+def _sharded(layout: Layout) -> bool:
+    return layout.tp > 1 or layout.pp > 1 or layout.zero >= 2
+
+
+REFUSED: dict[str, list[tuple[Any, str]]] = {
+    "swa": [(_sharded, "StochasticWeightAveraging cannot run under MegaScaleStrategy")],
+    "manual": [
+        (lambda layout: layout.pp > 1, "manual optimization (automatic_optimization=False) cannot run")
+    ],
+    "finetuning": [
+        (lambda layout: layout.tp > 1, "(BaseFinetuning) cannot unfreeze under MegaScaleStrategy")
+    ],
+}
+
+
+def expected_refusal(scenario: str, layout: Layout) -> str | None:
+    for applies, words in REFUSED.get(scenario, []):
+        if applies(layout):
+            return words
+    return None
+
+
+def resume_pairs(layouts: list[Layout] | None = None) -> list[tuple[Layout, Layout]]:
+    """(saved under, resumed under) for every unordered pair of layouts, once: the later layout of the
+    LAYOUTS order resumes the earlier one's checkpoint (world-2 layouts come first, so a world-4 run resumes
+    world-2 checkpoints and the other way round happens among world-2 and world-4 layouts' own pairs)."""
+    layouts = layouts or LAYOUTS
+    return [(a, b) for i, a in enumerate(layouts) for b in layouts[i + 1 :]]
