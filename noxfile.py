@@ -20,7 +20,8 @@ from pathlib import Path
 
 import nox
 
-nox.options.sessions = ["lint", "typecheck", "core", "lightning", "data", "ft", "integration", "conformance", "docs"]
+SESSIONS = ["lint", "typecheck", "core", "lightning", "data", "ft", "integration", "conformance", "docs"]
+nox.options.sessions = SESSIONS
 nox.options.error_on_missing_interpreters = True
 
 CONSTRAINTS = ".ci/constraints.txt"
