@@ -55,6 +55,10 @@ def _local_nbytes(t: Tensor) -> int:
 # parameters. That is what LAMB needs: it all-reduces the trust-ratio norms of the DTensors it steps over
 # their TP mesh, so every rank of that mesh must step the same parameters, in the same order.
 #
+# Parameters joining the optimizer later (add_param_group, compared per group before each step) are given
+# owners the same way, after those already owned, which keep theirs and so their states. Buckets none of whose
+# parameters has a gradient (none on any rank: the reducer left them None) are stepped nowhere and not sent.
+#
 # Communication: the gradients are all-reduced beforehand (stage 0: every rank needs the whole gradient for
 # the global-norm clip anyway), then owners broadcast parameters: 1.5x the traffic of plain data
 # parallelism, the price of keeping the user's optimizer and gradients unchanged. Stage 2 (reduce-scatter,

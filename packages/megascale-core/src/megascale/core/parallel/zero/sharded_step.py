@@ -42,6 +42,13 @@ __all__ = ["ELEMENTWISE_OPTIMIZERS", "ShardedOptimizerStep"]
 # would silently compute something else, so only optimizers known to be elementwise are accepted; others get
 # an error that names the alternatives.
 #
+# What is stepped follows Lightning's contract: a parameter whose gradient is None (no rank got one: the
+# reducer leaves it None) gets no piece, so its state and values stay as they are, and buckets with no such
+# piece are not gathered. The optimizer's parameters are compared per group at each step (and at the
+# reduction): after an add_param_group the ranges, buckets and unit waits are rebuilt. The ranges are cut from
+# the reducer's buckets, which cover every parameter from the start and never change, so the states already
+# kept in pieces stay valid.
+#
 # State between steps stays keyed by the parameter, as 1-D pieces (1/dp of the whole on each rank). Whole
 # state is what checkpoints hold (DCP reshards it into any layout): `gather_state()` all-gathers the pieces
 # into whole tensors (DTensors for DTensor parameters, as stage 0 keeps them) before a state dict is taken,
