@@ -183,7 +183,7 @@ class BucketedGradReduce:
         self._stepped: dict[int, set[int]] = {}  # scatter: id(sharded step) -> ids of the parameters it steps
         self._refreshers: dict[int, Callable[[], None]] = {}
         self._update_orphans()
-        self._flags_pending: Any = None  # the last step's flag all-reduce, when nobody needed its answer
+        self._flags_pending: tuple[Tensor, Any] | None = None  # the last step's flags, when nobody read them
         self._arrived: dict[int, int] = {}  # id(param) -> gradient accumulations seen in this backward
         self._handles: list[Any] = []
         # hooks cannot be registered on a tensor without requires_grad: frozen ones get theirs once they train
@@ -365,14 +365,14 @@ class BucketedGradReduce:
         parameter of a reduced bucket then has a gradient here, so none is None anywhere)."""
         flags, work, needed = launched
         if not needed:
-            self._flags_pending = work  # waited for at the next finish(): nobody reads it
+            self._flags_pending = (flags, work)  # waited for at the next finish(): nobody reads it
             return None
         work.wait()
         return flags.tolist()
 
     def _wait_flags(self) -> None:
         if self._flags_pending is not None:
-            self._flags_pending.wait()
+            self._flags_pending[1].wait()
             self._flags_pending = None
 
     def _hook_unfrozen(self) -> None:
