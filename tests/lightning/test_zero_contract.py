@@ -110,3 +110,38 @@ def test_dp2_tp2_zero1_matches_one_process(reference: dict[str, Any], tmp_path: 
     jobs = [dict(name=s, scenario=s, strategy=dict(tp=2, zero_stage=1), dp=2) for s in TP_SCENARIOS]
     for name, result in _fit(jobs, 4, tmp_path).items():
         _compare(result, reference[name], f"{name} at dp2 × tp2 zero1 elements")
+
+
+def test_gradient_and_weight_readers_are_found_and_megascale_own_hooks_are_not() -> None:
+    """What the strategy keys ZeRO-1's whole gradients and its wait after the step on (weight_readers.py):
+    GPTModule's own grad-norm logging is no reader (it sums the pieces' shares), else the default path would
+    pay 1.5x DDP's bytes; a module or callback overriding a gradient hook is, unless it says otherwise."""
+    from lightning.pytorch import Callback, LightningModule, Trainer
+
+    from megascale.core import GPTConfig
+    from megascale.lightning import GPTModule
+    from megascale.lightning.weight_readers import gradient_readers, weight_readers_between_steps
+    from tests.core._tiny import TINY_GQA_GPT
+    from tests.lightning._contract_modules import ContractModule, LogsGradNorm, TwoOptimizers
+
+    class Reader(Callback):
+        def on_after_backward(self, trainer: Trainer, pl_module: LightningModule) -> None:
+            pass
+
+    class Quiet(Reader):
+        reads_gradients = False
+
+    def readers(
+        module: LightningModule, callbacks: list[Callback] | None = None
+    ) -> tuple[list[str], list[str]]:
+        trainer = Trainer(
+            accelerator="cpu", devices=1, callbacks=callbacks, logger=False, enable_progress_bar=False
+        )
+        trainer.strategy.connect(module)
+        return gradient_readers(trainer), weight_readers_between_steps(trainer)
+
+    assert readers(GPTModule(GPTConfig(**TINY_GQA_GPT))) == ([], [])
+    assert readers(ContractModule("unused"), [Reader(), Quiet()]) == (["Reader"], [])
+    assert readers(LogsGradNorm("grad_norm_clip_val")) == (["LogsGradNorm"], [])
+    manual = ["TwoOptimizers (manual optimization)"]
+    assert readers(TwoOptimizers("two_optimizers")) == (manual, manual)
