@@ -1,11 +1,18 @@
-"""Which hooks may read a model's weights between an optimizer step and the next forward.
+"""Which user code reads weights between optimizer steps, or gradients before the step.
 
-ZeRO-1 with ``overlap_param_gather`` sends each rank's updated parameters in the background after the step,
-and the next forward waits for them layer by layer, so until then some parameters hold the previous step's
-values. That is safe for the forward (and for the LightningModule's training_step, which runs inside its
-forward), but not for a callback that reads weights in ``on_train_batch_end`` or ``on_train_batch_start`` (an
-EMA of the weights, say). Callbacks known to read none are listed here; for any other that overrides those
-hooks, the strategy waits for the parameters right after the step instead.
+Weights. ZeRO-1 with ``overlap_param_gather`` sends each rank's updated parameters in the background after the
+step, and the next forward waits for them layer by layer, so until then some parameters hold the previous
+step's values. That is safe for the forward (and for the LightningModule's training_step, which runs inside
+its forward), but not for a callback that reads weights in ``on_train_batch_end`` or ``on_train_batch_start``
+(an EMA of the weights, say), nor for manual optimization, whose training_step steps an optimizer and then
+runs another forward (a GAN) inside the same outer forward. Callbacks known to read none are listed here; for
+any other that overrides those hooks, and under manual optimization, the strategy waits for the parameters
+right after the step instead.
+
+Gradients. ZeRO-1 with ``zero1_sharding="elements"`` leaves each rank only its piece of every gradient after
+the reduce-scatter. User code that reads gradients before the step (``grad_norm`` logged in
+``on_before_optimizer_step``, its own ``clip_grad_norm_`` in ``configure_gradient_clipping``, anything under
+manual optimization) must see them whole, so where such code exists the strategy has them all-reduced instead.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from lightning.pytorch.callbacks import (
 )
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
-__all__ = ["weight_readers_between_steps"]
+__all__ = ["gradient_readers", "weight_readers_between_steps"]
 
 _HOOKS = ("on_train_batch_end", "on_train_batch_start")
 # Read no weights in those hooks (ModelCheckpoint saves through the strategy, which waits first). A callback
@@ -36,10 +43,27 @@ _KNOWN = (
     ThroughputMonitor,
     Timer,
 )
+# Where gradients exist and have not been stepped yet. Overrides written in megascale's own packages (GPTModule's
+# grad-norm logging, megascale-ft's step timer) read them through the strategy's ``gradient_norm_group`` or not
+# at all. A callback (or LightningModule) of your own that reads none, or only that way, can say so with a class
+# attribute ``reads_gradients = False``.
+_GRADIENT_HOOKS = ("on_after_backward", "on_before_optimizer_step")
+_MODULE_GRADIENT_HOOKS = (*_GRADIENT_HOOKS, "configure_gradient_clipping")
+
+
+def _reads_gradients(obj: object, hooks: tuple[str, ...], base: type) -> bool:
+    if not getattr(obj, "reads_gradients", True):
+        return False
+    return any(
+        is_overridden(hook, obj, base)  # type: ignore[arg-type]
+        and not getattr(getattr(type(obj), hook), "__module__", "").startswith("megascale.")
+        for hook in hooks
+    )
 
 
 def weight_readers_between_steps(trainer: Trainer) -> list[str]:
-    """Names of the callbacks (and the LightningModule) whose between-step hooks may read weights."""
+    """Names of the callbacks (and the LightningModule) whose between-step hooks may read weights, and the
+    LightningModule under manual optimization."""
     readers = []
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
         if isinstance(callback, _KNOWN) or not getattr(callback, "reads_weights_between_steps", True):
@@ -48,5 +72,24 @@ def weight_readers_between_steps(trainer: Trainer) -> list[str]:
             readers.append(type(callback).__name__)
     module = trainer.lightning_module
     if any(is_overridden(hook, module, LightningModule) for hook in _HOOKS):
+        readers.append(type(module).__name__)
+    if not module.automatic_optimization:
+        readers.append(f"{type(module).__name__} (manual optimization)")
+    return readers
+
+
+def gradient_readers(trainer: Trainer) -> list[str]:
+    """Names of the callbacks and the LightningModule that may read gradients before the optimizer step: those
+    overriding ``on_after_backward`` or ``on_before_optimizer_step`` (the module also
+    ``configure_gradient_clipping``), and the LightningModule under manual optimization."""
+    readers = [
+        type(callback).__name__
+        for callback in trainer.callbacks  # type: ignore[attr-defined]
+        if _reads_gradients(callback, _GRADIENT_HOOKS, Callback)
+    ]
+    module = trainer.lightning_module
+    if not module.automatic_optimization:
+        readers.append(f"{type(module).__name__} (manual optimization)")
+    elif _reads_gradients(module, _MODULE_GRADIENT_HOOKS, LightningModule):
         readers.append(type(module).__name__)
     return readers

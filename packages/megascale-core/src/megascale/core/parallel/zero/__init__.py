@@ -25,7 +25,13 @@ Every stage is a ``ZeroRuntime`` with the same hooks, which a training loop call
 
 ``apply_zero`` chooses and sets one up. What it shards is given as ``UnitTree``s: a root module whose forward
 runs around everything (the LightningModule, whose training_step runs inside its forward; or each pipeline
-stage) and its layers in forward order. Every parameter under a root is covered, in a unit or by the root.
+stage) and its layers in forward order. Every parameter under a root is covered, in a unit or by the root,
+whatever its ``requires_grad`` at setup (frozen ones train once unfrozen).
+
+Lightning's parameter contract holds at stages 0 and 1 as on one process: a parameter that got a gradient on
+no rank keeps ``p.grad`` None (the optimizer leaves it alone: no momentum, no weight decay); parameters that
+join an optimizer later (``add_param_group``) are stepped from the next step on, the states kept; and with
+``set_whole_gradients(True)`` every gradient user code reads is whole.
 """
 
 from __future__ import annotations
@@ -111,6 +117,12 @@ class ZeroRuntime:
         """The group over which plain gradients hold different shares (stage 1's scattered pieces): a global
         gradient norm adds their shares over it. None where every rank holds them whole."""
         return None
+
+    def set_whole_gradients(self, whole: bool) -> None:
+        """``whole``: user code reads gradients between backward and the optimizer step (a logged gradient
+        norm, its own clipping, manual optimization), so every ``p.grad`` must be the whole average after
+        the reduction. Only stage 1's ``"elements"`` holds pieces otherwise; it then all-reduces instead of
+        reduce-scattering (1.5x DDP's bytes in all) and still steps each rank's pieces."""
 
     def set_wait_timer(self, timer: WaitTimer) -> None:
         """Time the waits for other ranks with ``timer`` (``megascale.core.parallel.wait_timer``)."""
@@ -208,7 +220,10 @@ class _ScatteredGradients(_ReplicatedGradients):
             step.gather_state()
 
     def grad_sum_group(self) -> dist.ProcessGroup | None:
-        return self.group
+        return None if self.reduce.whole else self.group
+
+    def set_whole_gradients(self, whole: bool) -> None:
+        self.reduce.whole = whole
 
     def _remove_steps(self) -> None:
         for step in self.steps.values():
@@ -397,9 +412,11 @@ def apply_zero(
 
 
 def _unique_params(roots: Iterator[nn.Module] | Sequence[nn.Module]) -> Iterator[nn.Parameter]:
+    # Frozen parameters too: they may train later (Lightning's BaseFinetuning); ZeRO-0/1 skip their buckets
+    # while they stay frozen.
     seen: set[int] = set()
     for root in roots:
         for p in root.parameters():
-            if p.requires_grad and id(p) not in seen:
+            if id(p) not in seen:
                 seen.add(id(p))
                 yield p

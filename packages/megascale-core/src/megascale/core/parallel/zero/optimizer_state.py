@@ -55,6 +55,10 @@ def _local_nbytes(t: Tensor) -> int:
 # parameters. That is what LAMB needs: it all-reduces the trust-ratio norms of the DTensors it steps over
 # their TP mesh, so every rank of that mesh must step the same parameters, in the same order.
 #
+# Parameters joining the optimizer later (add_param_group, compared per group before each step) are given
+# owners the same way, after those already owned, which keep theirs and so their states. Buckets none of whose
+# parameters has a gradient (none on any rank: the reducer left them None) are stepped nowhere and not sent.
+#
 # Communication: the gradients are all-reduced beforehand (stage 0: every rank needs the whole gradient for
 # the global-norm clip anyway), then owners broadcast parameters: 1.5x the traffic of plain data
 # parallelism, the price of keeping the user's optimizer and gradients unchanged. Stage 2 (reduce-scatter,
@@ -133,27 +137,54 @@ class OptimizerStateSharding:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.overlap_param_gather = overlap_param_gather
-        self.params = optimizer_params(optimizer)
-        self._owner = self._assign_owners()
-        # Unowned parameters' state (an optimizer stepped before wrapping, a full checkpoint loaded) is freed.
-        for p in self.params:
-            if self._owner[id(p)] != self.rank:
-                optimizer.state.pop(p, None)
-        self.buckets = self._make_buckets(int(bucket_size_mb * _MIB))
+        self._capacity = int(bucket_size_mb * _MIB)
+        self.params: list[Tensor] = []
+        self._owner: dict[int, int] = {}
         self._pending: dict[int, tuple[Tensor, Any]] = {}  # bucket index -> (flat buffer, work)
+        self._live: list[bool] | None = None  # per bucket: stepped this step (None: all)
         self.wait_timer: WaitTimer = untimed  # around the next forward's waits for the broadcasts
         if units is None:
             layers = getattr(module, "layers", None)
             units = layers() if callable(layers) else []
-        self._handles = self._register_units([module, *units])
+        self._units = [module, *units]
+        self._handles: list[Any] = []
+        self._signature: tuple[tuple[int, int], ...] | None = None
+        self.refresh()
+        # Unowned parameters' state (an optimizer stepped before wrapping, a full checkpoint loaded) is freed.
+        for p in self.params:
+            if self._owner[id(p)] != self.rank:
+                optimizer.state.pop(p, None)
 
     # ---- ownership and buckets --------------------------------------------------------------------------
 
+    def refresh(self) -> None:
+        """(Re)build ownership and buckets when the optimizer's parameters changed (``add_param_group``, as
+        Lightning's BaseFinetuning does; compared per group before each step). Parameters already owned keep
+        their owner, and with it their state; new ones go to the least-loaded ranks."""
+        signature = tuple((id(g["params"]), len(g["params"])) for g in self.optimizer.param_groups)
+        if signature == self._signature:
+            return
+        self.wait()
+        self.params = optimizer_params(self.optimizer)
+        self._owner = self._assign_owners()
+        self.buckets = self._make_buckets(self._capacity)
+        for handle in self._handles:
+            handle.remove()
+        self._handles = self._register_units(self._units)
+        self._signature = signature
+
     def _assign_owners(self) -> dict[int, int]:
+        """Kept owners (of parameters still there), then greedy for the new ones: largest first (ties by
+        order), to the least-loaded rank (ties to the lowest). A function of what every rank holds alike."""
         sizes = [p.numel() * p.element_size() for p in self.params]  # global sizes (see the comment above)
         loads = [0] * self.world_size
         owner: dict[int, int] = {}
-        for i in sorted(range(len(self.params)), key=lambda i: (-sizes[i], i)):
+        for i, p in enumerate(self.params):
+            if id(p) in self._owner:
+                owner[id(p)] = self._owner[id(p)]
+                loads[owner[id(p)]] += sizes[i]
+        new = [i for i, p in enumerate(self.params) if id(p) not in owner]
+        for i in sorted(new, key=lambda i: (-sizes[i], i)):
             r = min(range(self.world_size), key=lambda r: (loads[r], r))
             owner[id(self.params[i])] = r
             loads[r] += sizes[i]
@@ -211,6 +242,7 @@ class OptimizerStateSharding:
         owned parameters, which changes no parameter (nor, for torch's optimizers and LAMB, any state but
         the step count of a fresh state, which a following load overwrites).
         """
+        self.refresh()
         missing = [p for p in self.owned_params() if not self.optimizer.state.get(p)]
         if not missing:
             return
@@ -235,9 +267,15 @@ class OptimizerStateSharding:
     def drop_unowned_grads(self) -> None:
         """``p.grad = None`` for every parameter another rank owns, so ``optimizer.step()`` neither steps
         them nor creates state for them. Call after the gradients were averaged and clipped."""
-        for p in self.params:
-            if self._owner[id(p)] != self.rank:
-                p.grad = None
+        self.refresh()
+        # A bucket none of whose parameters has a gradient (none on any rank: the reducer left them None) is
+        # stepped nowhere: nothing to broadcast.
+        self._live = []
+        for bucket in self.buckets:
+            self._live.append(any(p.grad is not None for p in bucket.params))
+            if bucket.owner != self.rank:
+                for p in bucket.params:
+                    p.grad = None
 
     @torch.no_grad()
     def broadcast_updated(self) -> None:
@@ -247,7 +285,10 @@ class OptimizerStateSharding:
         each unit's buckets; otherwise this waits for all of them.
         """
         self.wait()  # a previous gather that no forward consumed: finish it before sending new values
+        live, self._live = self._live, None
         for b, bucket in enumerate(self.buckets):
+            if live is not None and not live[b]:
+                continue
             if bucket.owner == self.rank:
                 flat = torch.cat([local(p).reshape(-1) for p in bucket.params])
             else:

@@ -42,6 +42,13 @@ __all__ = ["ELEMENTWISE_OPTIMIZERS", "ShardedOptimizerStep"]
 # would silently compute something else, so only optimizers known to be elementwise are accepted; others get
 # an error that names the alternatives.
 #
+# What is stepped follows Lightning's contract: a parameter whose gradient is None (no rank got one: the
+# reducer leaves it None) gets no piece, so its state and values stay as they are, and buckets with no such
+# piece are not gathered. The optimizer's parameters are compared per group at each step (and at the
+# reduction): after an add_param_group the ranges, buckets and unit waits are rebuilt. The ranges are cut from
+# the reducer's buckets, which cover every parameter from the start and never change, so the states already
+# kept in pieces stay valid.
+#
 # State between steps stays keyed by the parameter, as 1-D pieces (1/dp of the whole on each rank). Whole
 # state is what checkpoints hold (DCP reshards it into any layout): `gather_state()` all-gathers the pieces
 # into whole tensors (DTensors for DTensor parameters, as stage 0 keeps them) before a state dict is taken,
@@ -107,7 +114,39 @@ class ShardedOptimizerStep:
         self.optimizer, self.reducer, self.module = optimizer, reducer, module
         self.group, self.rank, self.world_size = reducer.group, reducer.rank, reducer.world_size
         self.overlap_param_gather = overlap_param_gather
-        self.params = [p for p in optimizer_params(optimizer) if reducer.covers(p)]
+        self._flat: dict[int, Tensor] = {}
+        self._armed = False
+        self._swapped: list[tuple[dict[str, Any], list[Tensor], dict[int, Tensor]]] = []
+        self._whole = True  # no state yet, or whole (loaded, gathered): cut into pieces at the next step
+        self._pending: dict[int, tuple[Tensor | None, Any]] = {}
+        self._live: set[int] | None = None  # buckets stepped this step (None: all); the rest: not gathered
+        if units is None:
+            layers = getattr(module, "layers", None)
+            units = layers() if callable(layers) else []
+        self._units = [module, *units]
+        self._waits: list[Any] = []
+        self._signature: tuple[tuple[int, int], ...] | None = None
+        self._refresh()
+        self._step_hooks = [
+            optimizer.register_step_pre_hook(lambda *_: self._begin_if_armed()),
+            optimizer.register_step_post_hook(lambda *_: self.end_step()),
+        ]
+
+    @property
+    def _handles(self) -> list[Any]:
+        """Every hook: the units' waits, then the optimizer's step pre- and post-hook."""
+        return [*self._waits, *self._step_hooks]
+
+    def _refresh(self) -> None:
+        """(Re)build what depends on the optimizer's parameters: at construction, and whenever they changed
+        (``add_param_group``, as Lightning's BaseFinetuning does; compared per group at each step). The
+        ranges are cut from the reducer's buckets, which never change, so state kept in pieces stays valid."""
+        signature = _param_signature(self.optimizer)
+        if signature == self._signature:
+            return
+        self.wait()
+        reducer = self.reducer
+        self.params = [p for p in optimizer_params(self.optimizer) if reducer.covers(p)]
         for p in self.params:
             if not local(p).is_contiguous():
                 raise ValueError(f"ZeRO-1 steps flat views of parameters; a parameter of shape "
@@ -124,18 +163,15 @@ class ShardedOptimizerStep:
         self._whole_buckets = {
             b for b in self._buckets if all(id(p) in mine for p in reducer.buckets[b].params)
         }
-        self._flat: dict[int, Tensor] = {}
-        self._armed = False
-        self._swapped: list[tuple[dict[str, Any], list[Tensor], dict[int, Tensor]]] = []
-        self._whole = True  # no state yet, or whole (loaded, gathered): cut into pieces at the next step
-        self._pending: dict[int, tuple[Tensor | None, Any]] = {}
-        if units is None:
-            layers = getattr(module, "layers", None)
-            units = layers() if callable(layers) else []
-        bucket_of = {id(p): b for b in self._buckets for p in reducer.buckets[b].params if id(p) in mine}
-        self._handles = register_unit_waits([module, *units], bucket_of, self._wait_buckets)
-        self._handles.append(optimizer.register_step_pre_hook(lambda *_: self._begin_if_armed()))
-        self._handles.append(optimizer.register_step_post_hook(lambda *_: self.end_step()))
+        self._flat = {b: flat for b, flat in self._flat.items() if b in self._whole_buckets}
+        self._bucket_of = {
+            id(p): b for b in self._buckets for p in reducer.buckets[b].params if id(p) in mine
+        }
+        for handle in self._waits:
+            handle.remove()
+        self._waits = register_unit_waits(self._units, self._bucket_of, self._wait_buckets)
+        reducer.set_stepped(self, self.params, refresh=self._refresh)
+        self._signature = signature
 
     # ---- the step ---------------------------------------------------------------------------------------
 
@@ -154,14 +190,19 @@ class ShardedOptimizerStep:
         if self._swapped:
             return
         self.wait()  # the parameters must hold the last step's values before they are stepped again
+        self._refresh()
         self._armed = False
         state = self.optimizer.state
+        # Only parameters with a gradient are stepped (None: no rank got one, as on one process), and only
+        # buckets holding one are gathered after the step (the same on every rank: the reducer decided).
+        self._live = set()
         for group in self.optimizer.param_groups:
             originals = group["params"]
             pieces: dict[int, Tensor] = {}
             for p in originals:
                 if id(p) not in self._range or p.grad is None:
                     continue
+                self._live.add(self._bucket_of[id(p)])
                 start, stop = self._range[id(p)]
                 piece = mark_split(local(p).detach().view(-1)[start:stop], self._split[id(p)])
                 piece.grad = local(p.grad).reshape(-1)[start:stop]
@@ -253,7 +294,10 @@ class ShardedOptimizerStep:
 
     def _gather_params(self) -> None:
         self.wait()
+        live, self._live = self._live, None
         for b in reversed(self._buckets):  # buckets run from the head back: gather in forward order
+            if live is not None and b not in live:
+                continue  # no parameter of it was stepped on any rank: every rank holds its values
             bucket = self.reducer.buckets[b]
             flat = self._flat_params(b)
             if flat is not None:  # this rank's part is in place: gathered into the parameters themselves
@@ -305,8 +349,9 @@ class ShardedOptimizerStep:
         state = self.optimizer.state
         keys = sorted({k for p in self.params for k, v in state.get(p, {}).items() if _is_piece(v)})
         for b in self._buckets:
-            params = [p for p in self.reducer.buckets[b].params if id(p) in self._range]
-            for key in keys:
+            # never stepped (frozen, unused so far: on every rank alike): no state, as on one process
+            params = [p for p in self.reducer.buckets[b].params if id(p) in self._range and state.get(p)]
+            for key in keys if params else ():
                 values = {id(p): state[p][key] for p in params if key in state.get(p, {})}
                 if len(values) != len(params):
                     raise RuntimeError(f"ZeRO-1: optimizer state {key!r} exists for some parameters only")
@@ -326,7 +371,14 @@ class ShardedOptimizerStep:
         self.wait()
         for handle in self._handles:
             handle.remove()
-        self._handles = []
+        self._waits, self._step_hooks = [], []
+        self.reducer.set_stepped(self, [])
+
+
+def _param_signature(optimizer: Optimizer) -> tuple[tuple[int, int], ...]:
+    """Changes when a param group is added or a group's list of parameters replaced or grown (per group, not
+    per parameter: cheap enough for every step)."""
+    return tuple((id(group["params"]), len(group["params"])) for group in optimizer.param_groups)
 
 
 def _is_piece(value: Any) -> bool:
