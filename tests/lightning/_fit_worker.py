@@ -7,9 +7,13 @@ SPEC.json: {"jobs": [{"name", "strategy": {MegaScaleStrategy kwargs} | null, "co
 "module": {GPTModule kwargs}, "data": {TokenDataModule kwargs}, "trainer": {Trainer kwargs},
 "save_at_end": path | null, "resume_from": path | null, "module_class": "pkg.mod.Class" (optional: any
 LightningModule taking **module; then "config" is unused), "probe": true (optional: a callback reading every
-weight after each step, as an EMA would)}, ...]}
+weight after each step, as an EMA would), "checkpoint_every": n and "checkpoint_dir": path (optional: a
+ModelCheckpoint writing "step=<k>.ckpt" every n steps), "optimizer_state": true (optional: record the whole
+optimizer state after fit), "expect_error": true (optional: record the exception fit raises instead of
+failing)}, ...]}
 OUT.pt (written by global rank 0): {name: {"losses": [per optimizer step, as logged (synced over ranks)],
-"weights": {name: full fp32 tensor}}}. Several fits share the process group (Lightning keeps it alive), so
+"weights": {name: full fp32 tensor}, "samples": [per optimizer step, the fingerprints of the union batch of
+every rank], "optimizer": {key: full fp32 tensor} (optional), "error": str (with expect_error)}}. Several fits share the process group (Lightning keeps it alive), so
 one launch pays the ~5 s of imports once for all the layouts of a world size.
 """
 
@@ -35,11 +39,17 @@ class RecordLoss(Callback):
 
     def __init__(self) -> None:
         self.losses: list[float] = []
+        self.samples: list[list[int]] = []  # per optimizer step: a fingerprint of each sample this rank saw
+        self._step_samples: list[int] = []
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        # hash() of a tuple of ints is the same in every process (only str/bytes hashing is salted)
+        self._step_samples += [hash(tuple(row)) for row in batch[0].tolist()]
         if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
+            self.samples.append(self._step_samples)
+            self._step_samples = []
             self.losses.append(float(trainer.callback_metrics["train/loss"]))
             if os.environ.get("FIT_DEBUG"):
                 print(
@@ -84,9 +94,21 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
 
         probe = WeightProbe()
         trainer_kwargs["callbacks"] = [record, probe]
+    if job.get("checkpoint_every"):  # saved during fit, as a run that is later resumed elsewhere saves
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        every = ModelCheckpoint(dirpath=job["checkpoint_dir"], filename="{step}", every_n_train_steps=job["checkpoint_every"],
+                                save_top_k=-1)  # fmt: skip
+        trainer_kwargs["callbacks"] = [*trainer_kwargs["callbacks"], every]
+        trainer_kwargs["enable_checkpointing"] = True
     trainer_kwargs.update(job.get("trainer", {}))
     trainer = Trainer(**trainer_kwargs)
-    trainer.fit(module, datamodule=data, ckpt_path=job.get("resume_from"))
+    try:
+        trainer.fit(module, datamodule=data, ckpt_path=job.get("resume_from"))
+    except Exception as error:  # every rank raises (a refusal is collective)
+        if not job.get("expect_error"):
+            raise
+        return {"error": str(error)}
     if job.get("save_at_end"):
         trainer.save_checkpoint(job["save_at_end"])
     options = StateDictOptions(
@@ -98,6 +120,10 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         for key, value in part.items():
             weights.setdefault(key, value)
     out: dict[str, Any] = {"losses": record.losses, "weights": weights}
+    # the union batch of each step over every rank (tp and pp peers see the same samples)
+    out["samples"] = [sorted(set().union(*step)) for step in zip(*_gather(record.samples))]
+    if job.get("optimizer_state"):
+        out["optimizer"] = _optimizer_state(trainer, module)
     # what every rank saw, not only rank 0 (pipeline stages other than the last must show the same loss)
     out["losses_by_rank"] = _gather(record.losses)
     if "val/loss" in trainer.callback_metrics:
@@ -114,6 +140,30 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         module.eval()
         out["generated"] = _gather(module.generate(prompt, 6, temperature=0.0)[0].tolist())
     return out
+
+
+def _optimizer_state(trainer: Trainer, module: Any) -> dict[str, torch.Tensor]:
+    """Every optimizer's state and numeric group settings by parameter name, whole (as a checkpoint holds
+    them, ZeRO-1's pieces gathered), from the union of every rank's (pipeline stages, ZeRO-1 owners)."""
+    from megascale.lightning import checkpoint_io
+
+    if isinstance(trainer.strategy, MegaScaleStrategy):
+        state = trainer.strategy.sharded_state_dict()
+    else:
+        state = checkpoint_io.states(module, trainer.optimizers)
+    mine: dict[str, torch.Tensor] = {}
+    for i in range(len(trainer.optimizers)):
+        for key, value in state[f"optimizer_{i}"].items():
+            if isinstance(value, torch.Tensor):  # DTensors gathered: a collective over their mesh, in order
+                whole = value.full_tensor() if hasattr(value, "full_tensor") else value
+                mine[f"{i}.{key}"] = whole.detach().float().clone()
+            elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                mine[f"{i}.{key}"] = torch.tensor(float(value))
+    merged: dict[str, torch.Tensor] = {}
+    for part in _gather(mine):
+        for key, value in part.items():
+            merged.setdefault(key, value)
+    return merged
 
 
 def _gather(value: Any) -> list[Any]:

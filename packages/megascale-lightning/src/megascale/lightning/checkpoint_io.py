@@ -6,13 +6,20 @@ Layout of ``path/`` (Lightning names it ``epoch=…-step=….ckpt``, a directory
                               every layout, so a checkpoint saved under tp2×dp2/zero2 loads under dp4,
                               single process, or any other layout (DCP reshards).
     meta.pt                   everything else Lightning keeps (loops, callbacks, LR schedulers, data-module
-                              state, hyper-parameters), written by rank 0, read with ``weights_only=True``.
+                              state, hyper-parameters), written by rank 0, read with ``weights_only=True``;
+                              with MegaScaleStrategy also the layout that saved it (``LAYOUT_KEY``).
 
 ZeRO-1 (zero1_sharding="elements") holds 1/dp of every parameter's state between steps; a checkpoint gets it
-whole, gathered over dp just before the state dict is taken (``ShardedOptimizerStep.gather_state``), and cut
-into pieces again at the next step. With zero1_sharding="parameters" the state stays on each parameter's
+whole, gathered over dp just before the state dict is taken (``ShardedOptimizerStep.gather_state``; also after
+fit, for ``trainer.save_checkpoint`` once Lightning tore the strategy down), and cut into pieces again at the
+next step. With zero1_sharding="parameters" the state stays on each parameter's
 owner: each rank saves the states it owns, and on load asks only for those it owns in the new layout (see
 ``OptimizerStateSharding.init_owned_state``).
+
+Before anything is read, ``load`` compares every tensor it will load with the checkpoint's metadata: a missing
+key or another shape (another model or optimizer, or optimizer state saved in ZeRO-1 pieces by megascale
+before states were gathered after fit) is refused on every rank by one message naming the saved layout, this
+one and what to change, instead of DCP's error from inside its planner, which names neither layout.
 
 ``convert_to_torch`` turns a checkpoint into one plain file for inference (config + model weights) without
 loading optimizer states; ``load_gpt`` rebuilds the GPT from it. ``convert_from_hf`` writes that file from a
@@ -23,11 +30,12 @@ Hugging Face model directory, ``convert_to_hf`` writes a Hugging Face directory 
 from __future__ import annotations
 
 import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
@@ -42,12 +50,14 @@ from torch.optim import Optimizer
 from megascale.core import GPT, GPTConfig
 
 __all__ = [
+    "LAYOUT_KEY",
     "META_FILE",
     "apply_states",
     "convert_from_hf",
     "convert_to_hf",
     "convert_to_torch",
     "is_checkpoint",
+    "layout_name",
     "load",
     "load_gpt",
     "save",
@@ -55,6 +65,7 @@ __all__ = [
 ]
 
 META_FILE = "meta.pt"
+LAYOUT_KEY = "megascale_layout"  # in meta.pt: the layout that saved the checkpoint (``layout_name``)
 MODEL_KEY = "state_dict"
 ONE_FILE_FORMAT = "megascale-gpt-v1"
 
@@ -137,11 +148,13 @@ def load(
     strict: bool = True,
     before_optimizer_state: Callable[[Optimizer], None] = lambda _: None,
     holds_all_states: Callable[[Optimizer], bool] = lambda _: True,
+    layout: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Load model and optimizer states in place (any layout) and return Lightning's remaining state.
 
     ``holds_all_states(optimizer)`` is False for a ZeRO-1 optimizer, whose rank loads the states of its own
-    parameters only (DCP still fails if any of those is missing from the checkpoint).
+    parameters only (those must all be in the checkpoint). ``layout``: this run's (as saved under
+    ``LAYOUT_KEY``), named with the checkpoint's own when it cannot be loaded.
     """
     path = Path(path)
     if not path.is_dir():
@@ -154,12 +167,96 @@ def load(
             f"{path} is an incomplete checkpoint (no {'.metadata' if not (path / '.metadata').exists() else META_FILE}"
             "): it was probably interrupted while saving; resume from an earlier one"
         )
+    meta = torch.load(path / META_FILE, weights_only=True, map_location="cpu")
     state = _states(model, optimizers, before_optimizer_state)
     if not optimizers:
         state = {MODEL_KEY: state[MODEL_KEY]}
+    _refuse_unloadable(path, state, meta.get(LAYOUT_KEY), layout)
     dcp.load(state, checkpoint_id=path)
     apply_states(model, optimizers, state, strict=strict, holds_all_states=holds_all_states)
-    return torch.load(path / META_FILE, weights_only=True, map_location="cpu")
+    return meta
+
+
+def layout_name(layout: dict[str, Any] | None) -> str:
+    """``{"dp": 2, "pp": 2, "tp": 1, "zero_stage": 1, "zero1_sharding": "elements", ...}`` as words."""
+    if not layout:
+        return "an unrecorded layout (saved before megascale recorded layouts, or by another strategy)"
+    name = f"dp{layout['dp']} × pp{layout['pp']} × tp{layout['tp']}"
+    if layout.get("tp", 1) > 1:
+        name += " (sequence parallel)" if layout.get("sequence_parallel") else " (no sequence parallelism)"
+    if layout["dp"] > 1:  # ZeRO shards over dp: nothing to name at dp1
+        name += f", ZeRO-{layout['zero_stage']}"
+        if layout["zero_stage"] == 1:
+            name += f" (zero1_sharding={layout.get('zero1_sharding')!r})"
+    return name
+
+
+def _flat(state: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    # DCP's keys: nested dict keys joined by "."
+    for key, value in state.items():
+        if isinstance(value, dict):
+            yield from _flat(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+def _problem(path: Path, state: dict[str, Any], saved_layout: dict[str, Any] | None) -> str | None:
+    """What in ``state`` (this rank's tensors to load) the checkpoint cannot fill, with what to change."""
+    saved = FileSystemReader(path).read_metadata().state_dict_metadata
+    for key, value in _flat(state):
+        model = key.startswith(MODEL_KEY + ".")
+        what = "the model" if model else "the optimizer"
+        item = saved.get(key)
+        if item is None:
+            return (
+                f"it has no {key}: {what} differs from the one that saved it; resume with the same "
+                f"{'model (configuration)' if model else 'optimizer (class, settings, parameters)'} as that run"
+            )
+        if not isinstance(value, torch.Tensor):
+            continue
+        size = getattr(item, "size", None)
+        if size is None:
+            return f"its {key} is not a tensor: {what} differs from the one that saved it"
+        if tuple(size) == tuple(value.shape):
+            continue
+        found = f"its {key} has shape {tuple(size)}, this run's {tuple(value.shape)}"
+        if model:
+            return (
+                f"{found}: the model differs from the one that saved it (a layout never changes the shapes "
+                "saved); build the model of that run"
+            )
+        zero1_elements = not saved_layout or (
+            saved_layout.get("zero_stage") == 1 and saved_layout.get("zero1_sharding") == "elements"
+        )
+        if zero1_elements and len(size) == 1 and value.dim() > 0:
+            return (
+                f"{found}: the optimizer states were saved as ZeRO-1 pieces (trainer.save_checkpoint after "
+                "fit under zero1_sharding='elements', before megascale gathered them whole there), which no "
+                "layout can load; resume from a checkpoint written during fit (ModelCheckpoint), or start a "
+                "new fit from its model weights alone"
+            )
+        return (
+            f"{found}: the optimizer keeps state of another shape than the one that saved it; resume with "
+            "the same optimizer (class and settings) as that run"
+        )
+    return None
+
+
+def _refuse_unloadable(
+    path: Path, state: dict[str, Any], saved_layout: dict[str, Any] | None, layout: dict[str, Any] | None
+) -> None:
+    # Every rank checks its own tensors and all raise together: a rank that went on into dcp.load alone
+    # would wait there for the others.
+    problem = _problem(path, state, saved_layout)
+    if dist.is_available() and dist.is_initialized():
+        problems: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, problem)
+        problem = next((p for p in problems if p is not None), None)
+    if problem is not None:
+        this_run = layout_name(layout) if layout else "this run's layout"
+        raise ValueError(
+            f"cannot resume {path} (saved under {layout_name(saved_layout)}) under {this_run}: {problem}"
+        )
 
 
 def _options(strict: bool) -> Any:

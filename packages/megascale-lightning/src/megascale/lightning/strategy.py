@@ -497,6 +497,14 @@ class MegaScaleStrategy(ParallelStrategy):
     def _holds_all_states(self, optimizer: Optimizer) -> bool:
         return self.runtime.zero.holds_all_optimizer_states(optimizer)
 
+    def _layout(self) -> dict[str, Any]:
+        """This run's layout as a checkpoint records it (``checkpoint_io.LAYOUT_KEY``, ``layout_name``)."""
+        dims = self.runtime.dims
+        return dict(
+            dp=dims.dp, pp=dims.pp, tp=dims.tp, zero_stage=self.plan.zero_stage,
+            zero1_sharding=self.plan.zero1_sharding, sequence_parallel=self.plan.sequence_parallel,
+        )  # fmt: skip
+
     @override
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any = None
@@ -509,6 +517,7 @@ class MegaScaleStrategy(ParallelStrategy):
         rng = self._rng_states()
         if rng is not None:
             checkpoint[RNG_KEY] = rng
+        checkpoint[checkpoint_io.LAYOUT_KEY] = self._layout()
         assert self.model is not None
         checkpoint_io.save(
             path, self.model, self.optimizers, checkpoint, is_global_zero=self.is_global_zero,
@@ -523,8 +532,9 @@ class MegaScaleStrategy(ParallelStrategy):
         checkpoint = checkpoint_io.load(
             path, self.model, self.optimizers, strict=self.lightning_module.strict_loading,
             before_optimizer_state=self.runtime.zero.prepare_optimizer_state,
-            holds_all_states=self._holds_all_states,
+            holds_all_states=self._holds_all_states, layout=self._layout(),
         )  # fmt: skip
+        checkpoint.pop(checkpoint_io.LAYOUT_KEY, None)
         # restored at the first training step, not now: Lightning creates the data iterator in between, which
         # draws from the default generator (DataLoader's base seed) where the saved run had drawn long before
         self._rng_to_restore = checkpoint.pop(RNG_KEY, None)

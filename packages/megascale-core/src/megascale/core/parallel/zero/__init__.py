@@ -231,7 +231,11 @@ class _ScatteredGradients(_ReplicatedGradients):
         self.steps = {}
 
     def remove(self) -> None:
-        self._remove_steps()
+        # The steps are kept, their hooks removed: the optimizer state stays in this rank's pieces, and a
+        # checkpoint written after fit (Lightning tears the strategy down before trainer.save_checkpoint)
+        # still needs prepare_optimizer_state to gather it whole.
+        for step in self.steps.values():
+            step.remove()
         super().remove()
 
 
