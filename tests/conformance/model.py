@@ -190,7 +190,7 @@ class ConformanceModule(LightningModule):
     reads; layerdrop: block i is skipped on steps where (step + i) % 3 == 0; manual: two AdamW optimizers
     (blocks; embedding and head) stepped by hand in one training_step, the second forward reading what the
     first step wrote; schedulers: a per-step warm-up and a per-epoch decay on one optimizer; log_grad_norm:
-    Lightning's grad_norm logged in on_before_optimizer_step; clip_in_module: configure_gradient_clipping
+    "lightning" or "megascale": that library's grad_norm logged in on_before_optimizer_step; clip_in_module: configure_gradient_clipping
     clips by norm through Lightning's clip_gradients; torch_clip: ...through torch.nn.utils.clip_grad_norm_;
     sgd: plain SGD (for bf16-mixed, whose AdamW updates would hide a defect in rounding noise); eager: the
     model built in ``__init__`` on real tensors (BaseFinetuning and StochasticWeightAveraging read or copy it
@@ -289,8 +289,13 @@ class ConformanceModule(LightningModule):
         self.log("val/loss", self._loss(batch), on_epoch=True, sync_dist=True)
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        if self.features.get("log_grad_norm"):
+        which = self.features.get("log_grad_norm")
+        if which == "lightning":
             self.log_dict(grad_norm(self, norm_type=2))
+        elif which == "megascale":  # the same keys, whole gradients under every layout
+            from megascale.lightning import grad_norm as whole_grad_norm
+
+            self.log_dict(whole_grad_norm(self, norm_type=2))
 
     def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: Any = None,
                                     gradient_clip_algorithm: Any = None) -> None:  # fmt: skip

@@ -15,7 +15,7 @@ PAGE = Path(__file__).resolve().parents[2] / "docs" / "guides" / "guarantees.md"
 @dataclass(frozen=True)
 class Outcome:
     cell: Cell
-    kind: str  # "exact" | "refused"
+    kind: str  # "exact" | "refused" | "warned" (not exact, and the strategy says so)
     message: str  # the refusal's first line, or the strategy's warnings in an exact cell
 
 
@@ -31,8 +31,8 @@ def page(outcomes: list[Outcome]) -> str:
     def mark(outcome: Outcome | None) -> str:
         if outcome is None:
             return "·"
-        if outcome.kind == "refused":
-            return f"refused {note(outcome.message)}"
+        if outcome.kind in ("refused", "warned"):
+            return f"{outcome.kind} {note(outcome.message)}"
         return f"✓ {note(outcome.message)}" if outcome.message else "✓"
 
     layouts = [layout.name for layout in LAYOUTS]
@@ -47,8 +47,9 @@ def page(outcomes: list[Outcome]) -> str:
         "which) — every logged metric at every step, the final weights, what user callbacks read, and the",
         "checkpoint saved at the end (model and optimizer state by parameter name). ✓ means exact within the",
         "tolerances below; *refused* means the strategy stops at setup or at the first step, on every rank, with",
-        "the message in the notes. A cell that is neither fails CI. Where DDP itself is wrong (parameters frozen",
-        "when it wraps the model) the reference is still one process.",
+        "the message in the notes; *warned* means the layout cannot give what one process gives and the strategy",
+        "says so when the fit starts (the note). A cell that is none of these fails CI. Where DDP itself is wrong",
+        "(parameters frozen when it wraps the model) the reference is still one process.",
         "",
         f"float32 tolerances: logged metrics {FLOAT32.metric_rtol:g} relative, weights {FLOAT32.weight_atol:g}",
         f"absolute after AdamW at lr 1e-2 (a defect moves them by ~1e-2), optimizer moments {FLOAT32.moment_atol:g}",

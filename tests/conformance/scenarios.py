@@ -137,8 +137,13 @@ SCENARIOS = [
     ),
     Scenario(
         "grad-norm",
-        "grad_norm logged in on_before_optimizer_step; clip_gradients in the module",
-        features=dict(log_grad_norm=True, clip_in_module=True),
+        "megascale.lightning.grad_norm logged in on_before_optimizer_step; clip_gradients in the module",
+        features=dict(log_grad_norm="megascale", clip_in_module=True),
+    ),
+    Scenario(
+        "lightning-grad-norm",
+        "Lightning's own grad_norm logged in on_before_optimizer_step",
+        features=dict(log_grad_norm="lightning"),
     ),
     Scenario(
         "swa",
@@ -228,11 +233,26 @@ REFUSED: dict[str, list[tuple[Any, str]]] = {
 }
 
 
-def expected_refusal(scenario: str, layout: Layout) -> str | None:
-    for applies, words in REFUSED.get(scenario, []):
+# Cells that cannot be exact and are not refused: the strategy must warn with these words (nothing compared).
+WARNED: dict[str, list[tuple[Any, str]]] = {
+    "lightning-grad-norm": [(lambda layout: layout.pp > 1, "covers this stage only")],
+    "torch-clip": [(lambda layout: layout.pp > 1, "covers this stage only")],
+}
+
+
+def _lookup(table: dict[str, list[tuple[Any, str]]], scenario: str, layout: Layout) -> str | None:
+    for applies, words in table.get(scenario, []):
         if applies(layout):
             return words
     return None
+
+
+def expected_refusal(scenario: str, layout: Layout) -> str | None:
+    return _lookup(REFUSED, scenario, layout)
+
+
+def expected_warning(scenario: str, layout: Layout) -> str | None:
+    return _lookup(WARNED, scenario, layout)
 
 
 def resume_pairs(layouts: list[Layout] | None = None) -> list[tuple[Layout, Layout]]:

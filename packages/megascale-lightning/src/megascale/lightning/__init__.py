@@ -10,6 +10,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 # Public names are re-exported with `as` (explicit re-exports for ruff and mypy): adding one is one line.
 from megascale.lightning.data import TokenDataModule as TokenDataModule
+from megascale.lightning.grad_norm import grad_norm as grad_norm
 from megascale.lightning.module import GPTModule as GPTModule
 from megascale.lightning.speed import SpeedMonitor as SpeedMonitor
 from megascale.lightning.strategy import MegaScaleStrategy as MegaScaleStrategy

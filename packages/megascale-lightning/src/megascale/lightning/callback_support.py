@@ -12,6 +12,10 @@ that names the feature, the layout and what to do instead:
 - manual optimization (``automatic_optimization = False``) with pp > 1: a pipeline step runs forward and
   backward for all microbatches inside ``training_step``; a second forward and step by hand cannot be
   scheduled through it. Refused.
+- code reading gradients before the step (``on_before_optimizer_step``, ``configure_gradient_clipping``) with
+  pp > 1 sees its pipeline stage's gradients only: a norm it takes (Lightning's ``grad_norm``, torch's
+  ``clip_grad_norm_``) covers that stage. It cannot be made whole there, so it is warned about, naming the
+  readers and the whole-model alternatives (``megascale.lightning.grad_norm``, ``self.clip_gradients``).
 - ``BaseFinetuning.unfreeze_and_add_param_group`` drops parameters already in the optimizer by comparing
   values (``torch.equal``) with every optimizer parameter, which raises for a DTensor against a plain tensor:
   refused where the model holds both (tensor parallelism, or a model sharded by its own ``fully_shard``), with
@@ -23,10 +27,12 @@ from __future__ import annotations
 
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import BaseFinetuning, StochasticWeightAveraging
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from megascale.core._dtensor import is_dtensor
 from megascale.core.parallel.mesh import ParallelDims
+from megascale.lightning.weight_readers import gradient_readers
 
 __all__ = ["check_trainer_features"]
 
@@ -59,6 +65,14 @@ def check_trainer_features(
                 "then `optimizer.add_param_group({'params': [those parameters], 'lr': ...})` (works under every "
                 "layout), or use tp=1"
             )
+    readers = gradient_readers(trainer)
+    if readers and dims.pp > 1:
+        rank_zero_warn(
+            f"MegaScaleStrategy: {readers} may read gradients before the optimizer step; with pp={dims.pp} each rank "
+            "holds its pipeline stage's gradients only, so a norm taken there (Lightning's grad_norm, "
+            "torch.nn.utils.clip_grad_norm_) covers this stage only. For the whole model's, log "
+            "megascale.lightning.grad_norm(self, 2) and clip with gradient_clip_val or self.clip_gradients(...)"
+        )
     if not module.automatic_optimization and dims.pp > 1:
         raise ValueError(
             f"manual optimization (automatic_optimization=False) cannot run with pipeline parallelism ({layout}): "

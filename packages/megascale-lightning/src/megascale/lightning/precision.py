@@ -22,6 +22,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from megascale.core._dtensor import is_dtensor, local
 from megascale.core.parallel.grad_clip import clip_grad_norm_
 
 __all__ = ["MegaScaleMixedPrecision", "MegaScalePrecision", "to_megascale_precision"]
@@ -44,6 +45,30 @@ class _GlobalNormClipping:
         params = self.main_params(optimizer)  # type: ignore[attr-defined]
         group = self.grad_norm_group() if callable(self.grad_norm_group) else self.grad_norm_group
         clip_grad_norm_(params, clip_val, sum_group=group)
+
+    def clip_grad_by_value(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        # elementwise, so each rank clamps what it holds (tensor-parallel and ZeRO shards, ZeRO-1 pieces);
+        # torch's clip_grad_value_ cannot take DTensors of several meshes and plain tensors in one call
+        for p in self.main_params(optimizer):  # type: ignore[attr-defined]
+            if p.grad is not None:
+                local(p.grad).clamp_(min=-clip_val, max=clip_val)
+
+    def _after_closure(self, model: LightningModule, optimizer: Steppable) -> None:
+        # on_before_optimizer_step and configure_gradient_clipping: where user code reads gradients
+        try:
+            super()._after_closure(model, optimizer)  # type: ignore[misc]
+        except RuntimeError as error:
+            if not any(is_dtensor(p.grad) for p in model.parameters() if p.grad is not None):
+                raise
+            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise RuntimeError(
+                "gradients read in on_before_optimizer_step or configure_gradient_clipping are tensor-parallel or "
+                "ZeRO-2/3 shards (DTensors) under MegaScaleStrategy, and the code reading them failed on that "
+                f"({first}). Lightning's grad_norm and torch.nn.utils.clip_grad_norm_/clip_grad_value_ over "
+                "DTensors and plain tensors together cannot work: log megascale.lightning.grad_norm(self, 2) "
+                "(whole norms under every layout) and clip with Trainer(gradient_clip_val=...) or "
+                "self.clip_gradients(...)"
+            ) from error
 
     def _wrap_closure(self, model: LightningModule, optimizer: Steppable, closure: Callable[[], Any]) -> Any:
         result = super()._wrap_closure(model, optimizer, closure)  # type: ignore[misc]  # step, backward, clip

@@ -3,8 +3,8 @@
 Weights. ZeRO-1 with ``overlap_param_gather`` sends each rank's updated parameters in the background after the
 step, and the next forward waits for them layer by layer, so until then some parameters hold the previous
 step's values. That is safe for the forward (and for the LightningModule's training_step, which runs inside
-its forward), but not for a callback that reads weights in ``on_train_batch_end`` or ``on_train_batch_start``
-(an EMA of the weights, say), nor for manual optimization, whose training_step steps an optimizer and then
+its forward), but not for a callback that reads weights in ``on_train_batch_end``/``_start`` (an EMA of the
+weights, say) or ``on_train_epoch_start``/``_end`` (StochasticWeightAveraging), nor for manual optimization, whose training_step steps an optimizer and then
 runs another forward (a GAN) inside the same outer forward. Callbacks known to read none are listed here; for
 any other that overrides those hooks, and under manual optimization, the strategy waits for the parameters
 right after the step instead.
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import (
+    BaseFinetuning,
     EarlyStopping,
     LearningRateMonitor,
     ModelCheckpoint,
@@ -31,10 +32,13 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 
 __all__ = ["gradient_readers", "weight_readers_between_steps"]
 
-_HOOKS = ("on_train_batch_end", "on_train_batch_start")
-# Read no weights in those hooks (ModelCheckpoint saves through the strategy, which waits first). A callback
-# of your own that reads none can say so with a class attribute ``reads_weights_between_steps = False``.
+# StochasticWeightAveraging averages the weights in on_train_epoch_start, right after an epoch's last step
+_HOOKS = ("on_train_batch_end", "on_train_batch_start", "on_train_epoch_end", "on_train_epoch_start")
+# Read no weights in those hooks (ModelCheckpoint saves through the strategy, which waits first; BaseFinetuning
+# only switches requires_grad). A callback of your own that reads none can say so with a class attribute
+# ``reads_weights_between_steps = False``.
 _KNOWN = (
+    BaseFinetuning,
     EarlyStopping,
     LearningRateMonitor,
     ModelCheckpoint,

@@ -68,6 +68,20 @@ def group_layers(layers: Sequence[nn.Module], bucket_size_mb: float) -> list[lis
     return groups
 
 
+def _untied(units: Sequence[Sequence[nn.Module]]) -> list[list[nn.Module]]:
+    """``units`` less those sharing a parameter with another (tied embeddings: the embedding and the output
+    layer), which the root then holds: FSDP2 refuses one parameter in two units, and the root's gather spans
+    both uses."""
+    owners: dict[int, int] = {}
+    shared: set[int] = set()
+    for i, group in enumerate(units):
+        for p in {id(p) for m in group for p in m.parameters()}:
+            if p in owners:
+                shared |= {owners[p], i}
+            owners[p] = i
+    return [list(group) for i, group in enumerate(units) if i not in shared]
+
+
 def apply_fsdp(
     root: nn.Module,
     units: Sequence[Sequence[nn.Module]],
@@ -82,7 +96,8 @@ def apply_fsdp(
     """Shard ``root`` (already tensor-parallel, if at all) over ``dp_mesh`` as ZeRO ``stage`` 2 or 3.
 
     Each entry of ``units`` (modules of ``root``'s tree, in forward order) becomes one FSDP unit, gathered and
-    reduce-scattered together; ``root`` then holds every parameter no unit does. The root must be the module
+    reduce-scattered together; ``root`` then holds every parameter no unit does (and the units that share a
+    parameter with another: tied weights). The root must be the module
     whose forward runs around the units' (a pipeline stage for the schedule; the LightningModule, whose
     training_step the strategy runs inside its forward).
 
@@ -104,8 +119,7 @@ def apply_fsdp(
         return {"mesh": dp_mesh, "reshard_after_forward": stage == 3, "mp_policy": policy}
 
     sharded: list[FSDPModule] = []
-    for group in units:
-        group = list(group)
+    for group in _untied(units):
         # a list becomes one unit (one parameter group) whose modules share its state: keep the first
         out = (
             fully_shard(group, **kwargs(True)) if len(group) > 1 else [fully_shard(group[0], **kwargs(True))]
