@@ -82,11 +82,19 @@ class ReplicaEntry:
     groups: tuple[str, ...]
 
 
-def _checksum(t: Tensor | None) -> tuple[float, float, float]:
-    if t is None:
-        return 0.0, 0.0, 0.0
-    x = t.detach()
-    return 1.0, float(x.sum(dtype=torch.float64)), float(x.double().square().sum())
+def _checksums(entries: Sequence[ReplicaEntry], device: torch.device) -> Tensor:
+    """(present, sum, sum of squares) per entry, float64 on ``device``: computed where each tensor lives and
+    moved together (no host sync per tensor)."""
+    rows = []
+    for e in entries:
+        if e.tensor is None:
+            rows.append(torch.zeros(3, dtype=torch.float64, device=device))
+            continue
+        x = e.tensor.detach()
+        one = torch.ones((), dtype=torch.float64, device=x.device)
+        row = torch.stack([one, x.sum(dtype=torch.float64), x.double().square().sum()])
+        rows.append(row.to(device, non_blocking=True))
+    return torch.stack(rows) if rows else torch.zeros(0, 3, dtype=torch.float64, device=device)
 
 
 def _close(a: Tensor, b: Tensor, numel: int, rtol: float) -> bool:
@@ -129,14 +137,16 @@ def check_replicas(
     labels = [k for k, g in groups.items() if g is not None and dist.get_world_size(g) > 1]
     if not labels:
         return
-    rows = [_checksum(e.tensor) for e in entries]
+    # where the collective runs: the tensors' device (NCCL needs CUDA tensors), else the CPU
+    device = next((e.tensor.device for e in entries if e.tensor is not None), torch.device("cpu"))
     names = zlib.crc32("\0".join(e.name for e in entries).encode())
     membership = [float(min(dist.get_process_group_ranks(groups[k]))) for k in labels]  # type: ignore[arg-type]
-    mine = torch.tensor([float(names), *membership, *(v for r in rows for v in r)], dtype=torch.float64)
+    head = torch.tensor([float(names), *membership], dtype=torch.float64, device=device)
+    mine = torch.cat([head, _checksums(entries, device).flatten()])
     world = dist.get_world_size(gather_group)
-    every = torch.empty(world * mine.numel(), dtype=torch.float64)
+    every = mine.new_empty(world * mine.numel())
     all_gather_flat(every, mine, group=gather_group)
-    every = every.view(world, -1)
+    every = every.view(world, -1).cpu()
     if not bool((every[:, 0] == every[0, 0]).all()):
         raise ValueError(
             f"check_replicas: the ranks of the gather group passed different entries ({len(entries)} here): pass "

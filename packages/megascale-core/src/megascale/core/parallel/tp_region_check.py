@@ -109,7 +109,10 @@ class _Mode(TorchFunctionMode):
         try:
             out = func(*args, **kwargs)
         except RuntimeError as e:
-            if part == PART_SEQUENCE:
+            shapes = any(w in str(e).lower() for w in ("size", "shape")) and not isinstance(
+                e, torch.OutOfMemoryError
+            )
+            if part == PART_SEQUENCE and shapes and any(getattr(x, _PART, None) is None for x in tensors):
                 self.check.refuse_shape(func, tensors, e)
             raise
         if part is not None and uses:
