@@ -122,7 +122,7 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any], bool, str]] = {
         "shard",
     ),
     "item 4: the final norm left out (SP): its fix named": (
-        {}, plan(drop=("norm",)), True, "norm.weight: in the tensor_parallel_plan of <root>, mark 'norm' as "
+        {}, plan(drop=("norm",)), True, "Fix: in the tensor_parallel_plan of <root>, mark 'norm' as "
         "'sequence_parallel'",
     ),
     "item 4: per-head q norm left out (no SP)": (
@@ -302,3 +302,61 @@ def test_torch_sequence_parallel_norms_train_like_one_process_under_every_zero_s
     for rank, result in enumerate(run_distributed(_torch_norms_worker, 4, timeout=300)):
         for name, got in result.items():
             _compare(got, want, f"torch SequenceParallel norms, {name}, rank {rank}")
+
+
+# ---- across plans: what parallelize checks over the whole module ------------------------------------------
+
+
+class PlannedLM(LM):
+    def tensor_parallel_plan(self) -> dict[str, Any]:
+        return plan()
+
+    def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.norm(x)  # under sequence parallelism: this rank's sequence shard
+
+
+class WithValueHead(nn.Module):
+    """A plan model and a value head outside it; ``tie``: an output layer outside the plan tied to its
+    vocabulary-parallel embedding."""
+
+    def __init__(self, tie: bool) -> None:
+        super().__init__()
+        self.lm = PlannedLM()
+        self.value = nn.Linear(WIDTH, 1)
+        if tie:
+            self.extra = nn.Linear(WIDTH, VOCAB, bias=False)
+            self.extra.weight = self.lm.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.value(self.lm.hidden(tokens)).pow(2).mean()
+
+
+def _whole_module_worker(rank: int, world: int) -> dict[str, str]:
+    from megascale.core.parallel import ParallelPlan, parallelize
+
+    out = {}
+    for case in ("tied outside the plan", "a head outside the plan on sequence shards"):
+        the_plan = ParallelPlan(tp=2)
+        torch.manual_seed(0)
+        model = WithValueHead(tie=case.startswith("tied"))
+        try:
+            runtime = parallelize(model, the_plan, the_plan.dims(world).build_mesh("cpu"), device="cpu")
+            model(_batch()[0]).backward()
+            runtime.zero.remove()
+            out[case] = "accepted"
+        except ValueError as e:
+            out[case] = str(e)
+    return out
+
+
+def test_parallelize_checks_ties_and_parameters_outside_the_plans_too() -> None:
+    for result in run_distributed(_whole_module_worker, 2):
+        tied = result["tied outside the plan"]
+        assert "lm.embed.weight and extra.weight are one tied parameter" in tied, tied
+        assert "extra.weight: left whole (not in the plan)" in tied
+        head = result["a head outside the plan on sequence shards"]
+        assert "['value.bias', 'value.weight'] are used in value on a sequence shard" in head, head
+        assert "no module above 'value' declares a tensor_parallel_plan: declare one that marks it as" in head

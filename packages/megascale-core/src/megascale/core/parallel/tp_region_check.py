@@ -147,8 +147,8 @@ class RegionCheck:
         self._handles: list[Any] = []
         self._refused = False
         owner_names = sorted(((n, m) for n, m in owners), key=lambda nm: -len(nm[0]))
-        # (module, parameter name) -> (qualified parameter name, plan owner, name relative to the owner)
-        self._sites: list[tuple[nn.Module, str, str, str, str]] = []
+        # (module, parameter name, qualified parameter name, plan owner or None, name relative to the owner)
+        self._sites: list[tuple[nn.Module, str, str, str | None, str]] = []
         self._names: dict[int, str] = {}
         for name, m in root.named_modules():
             self._watch(m, name)
@@ -240,11 +240,19 @@ class RegionCheck:
     def refuse(self, names: list[str], part: str) -> None:
         what, style = _FIX[part]
         sites = {q: (owner, rel) for _, _, q, owner, rel in self._sites}
-        fixes = []
-        for q in names:
-            owner, relative = sites.get(q, ("<root>", q.rpartition(".")[0]))
-            module = relative or "(the plan's own module: move the parameter into a submodule)"
-            fixes.append(f"{q}: in the tensor_parallel_plan of {owner}, mark {module!r}")
+        fixes: list[str] = []
+        for q in names:  # one fix per module holding them
+            owner, relative = sites.get(q, (None, q.rpartition(".")[0]))
+            if owner is None:
+                fix = (
+                    f"no module above {relative!r} declares a tensor_parallel_plan: declare one that marks it"
+                )
+            elif not relative:
+                fix = f"{q} is held by {owner} itself, which declares the plan: move it into a submodule, mark that"
+            else:
+                fix = f"in the tensor_parallel_plan of {owner}, mark {relative!r}"
+            if fix not in fixes:
+                fixes.append(fix)
         self._refused = True  # raised from inside the mode: the scope's hook closes it on the way out
         raise ValueError(
             f"tensor parallelism (tp={self.tp}, sequence_parallel={self.sequence_parallel}): the trainable "
@@ -271,13 +279,14 @@ class RegionCheck:
         ) from error
 
 
-def _owner(name: str, owners: Iterable[tuple[str, nn.Module]]) -> tuple[str, str]:
-    """(owner's name, ``name`` relative to it) of the innermost plan owner containing module ``name``."""
+def _owner(name: str, owners: Iterable[tuple[str, nn.Module]]) -> tuple[str | None, str]:
+    """(owner's name, ``name`` relative to it) of the innermost plan owner containing module ``name``; None
+    for a module under no plan (a head of the LightningModule's own)."""
     for owner, _ in owners:  # longest names first: the innermost
         if owner == "" or name == owner or name.startswith(owner + "."):
             relative = name[len(owner) + 1 :] if owner else name
             return owner or "<root>", relative
-    return "<root>", name
+    return None, name
 
 
 def install_region_check(
