@@ -106,3 +106,56 @@ def test_a_gpt_initialises_itself_as_a_direct_build_does():
     assert materialize(meta, "cpu", seed=123) == []  # the GPT's own init_weights, not reset_parameters
     for (name, a), b in zip(direct.state_dict().items(), meta.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+# ---- buffers computed in __init__ (issue 22, item 8) ------------------------------------------------------
+
+
+class CausalAttention(nn.Module):
+    """A layer with reset_parameters() (its Linear's) and a causal mask computed in __init__: on the meta
+    device the mask is computed as nothing, and reset_parameters() does not write it."""
+
+    def __init__(self, width: int = 4, seq: int = 6, persistent: bool = True, explicit_device: bool = False):
+        super().__init__()
+        self.proj = nn.Linear(width, width)
+        device = "cpu" if explicit_device else None
+        self.register_buffer("mask", torch.tril(torch.ones(seq, seq, device=device)), persistent=persistent)
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long, device=device), persistent=persistent)
+
+    def reset_parameters(self) -> None:
+        self.proj.reset_parameters()
+
+
+class WritesItsMask(CausalAttention):
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        self.mask.copy_(torch.tril(torch.ones_like(self.mask)))
+        self.steps.data.zero_()  # through .data: no version bump, seen by the sentinel
+
+
+@pytest.mark.parametrize("persistent", [True, False])
+def test_a_buffer_computed_in_init_that_no_init_writes_is_refused_by_name(persistent):
+    model = _meta(lambda: nn.Sequential(CausalAttention(persistent=persistent)))
+    with pytest.raises(ValueError, match="were computed on the meta device in __init__") as info:
+        materialize(model, "cpu", seed=0)
+    message = str(info.value)
+    assert "['0.mask (CausalAttention)', '0.steps (CausalAttention)']" in message
+    assert "reset_parameters()/init_weights()" in message and "device='cpu'" in message
+    assert "meta_init=False" in message
+
+
+def test_buffers_written_by_reset_parameters_or_made_for_real_are_accepted():
+    model = _meta(lambda: nn.Sequential(WritesItsMask(), CausalAttention(explicit_device=True)))
+    assert not model[1].mask.is_meta  # the explicit device wins over the meta device
+    materialize(model, "cpu", seed=0)
+    for layer in model:
+        assert torch.equal(layer.mask, torch.tril(torch.ones(6, 6))) and int(layer.steps) == 0
+
+
+def test_the_gpts_rope_tables_are_written_by_its_own_init():
+    from megascale.core.model.rope import RotaryEmbedding
+
+    model = _meta(lambda: GPT(GPTConfig(**TINY_GQA_GPT)))
+    materialize(model, "cpu", seed=0)
+    rope = next(m for m in model.modules() if isinstance(m, RotaryEmbedding))
+    assert torch.isfinite(rope.cos).all() and rope.cos.abs().max() <= 1

@@ -53,6 +53,7 @@ from megascale.core.parallel.compose import CheckpointLayout, ParallelRuntime, p
 from megascale.core.parallel.grad_clip import SumGroup
 from megascale.core.parallel.mesh import MESH_DIMS, ParallelDims
 from megascale.core.parallel.plan import ParallelPlan
+from megascale.core.parallel.replica_check import ReplicaGuard
 from megascale.core.parallel.wait_timer import ComputeTimer, Timers, WaitTimer, untimed
 from megascale.lightning import checkpoint_io
 from megascale.lightning.callback_support import check_trainer_features
@@ -104,6 +105,10 @@ class MegaScaleStrategy(ParallelStrategy):
             ``reset_parameters()`` (a module with neither is refused by name).
         process_group_backend: "nccl", "gloo", ... (default: by device).
         timeout: collective timeout.
+        replica_check_steps: at the first this many optimizer steps, compare checksums of the gradients and
+            values that data-parallel replicas and tensor-parallel ranks should hold equal, and stop the run
+            naming any that differ (``megascale.core.parallel.replica_check``; one small all-gather per check);
+            0 turns it off.
         device_mesh: a ("dp", "pp", "tp") mesh to train on instead of building one at each fit
             (``ParallelDims.build_mesh``), for several fits in one process: each new mesh creates process
             groups that stay open (sockets, store keys) until the process ends.
@@ -132,6 +137,7 @@ class MegaScaleStrategy(ParallelStrategy):
         meta_init: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        replica_check_steps: int = 2,
         device_mesh: DeviceMesh | None = None,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
@@ -155,6 +161,7 @@ class MegaScaleStrategy(ParallelStrategy):
             checkpoint_modules=tuple(checkpoint_modules or ()),
         )  # fmt: skip
         self.meta_init = meta_init
+        self._replica_guard = ReplicaGuard(replica_check_steps)
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self.num_nodes = 1
@@ -419,6 +426,7 @@ class MegaScaleStrategy(ParallelStrategy):
         self.runtime.zero.after_backward()
 
     def _before_optimizer_step(self, optimizer: Optimizer) -> None:
+        self._replica_guard.check_gradients(optimizer, self.model, self.runtime)
         self.runtime.zero.before_optimizer_step(optimizer)
 
     @override
@@ -427,6 +435,7 @@ class MegaScaleStrategy(ParallelStrategy):
         if self._pipeline_loop is not None:
             self._pipeline_loop.step_done()
         self.runtime.zero.after_optimizer_step(getattr(optimizer, "_optimizer", optimizer))
+        self._replica_guard.check_values(optimizer, self.model, self.runtime)
         if self._wait_after_step:
             self.runtime.zero.wait_for_params()
         return result

@@ -172,6 +172,10 @@ def parallelize(
     if has_meta_tensors(module):  # 3.
         notes += _materialize(module, gpts, device)
     module.to(device)
+    if dims.tp > 1:  # on the materialised parameters, before ZeRO's hooks (see make_replicated_grads_whole)
+        from megascale.core.parallel.tp_plan import make_replicated_grads_whole
+
+        make_replicated_grads_whole(module)
     rng = _model_parallel_rng(module, gpts, plan, mesh, device)
     if plan.activation_checkpointing != "none":  # 4.
         blocks = [b for stage in stages for b in stage.segments[1]] if stages else None
@@ -319,16 +323,31 @@ def _apply_tensor_parallel(
     module: nn.Module, gpts: list[GPT], plan: ParallelPlan, tp_mesh: DeviceMesh
 ) -> list[str]:
     from megascale.core.parallel.tensor_parallel import apply_tensor_parallel
+    from megascale.core.parallel.tp_plan import tied_parameter_sites
 
     chunks = plan.tp_comm_chunks if plan.overlap_tp_comm else 1
     already = {id(p) for p in module.parameters() if is_dtensor(p)}
+    ties = tied_parameter_sites(module)
     for gpt in gpts:
         apply_tensor_parallel(gpt, tp_mesh, sequence_parallel=plan.sequence_parallel, overlap=plan.overlap_tp_comm,
                               overlap_chunks=plan.tp_comm_chunks)  # fmt: skip
     if any(getattr(m, "tensor_parallel_plan", None) is not None for m in module.modules()):
-        from megascale.core.parallel.tp_plan import apply_tensor_parallel_plan, find_tensor_parallel_plans
+        from megascale.core.parallel.tp_plan import (
+            apply_tensor_parallel_plan,
+            check_tensor_parallel_plan,
+            check_tied_parameters,
+            find_tensor_parallel_plans,
+        )
+        from megascale.core.parallel.tp_region_check import install_region_check
 
-        for name, m, tp_plan in find_tensor_parallel_plans(module):
+        plans = find_tensor_parallel_plans(module)
+        styles: dict[str, object] = {}  # every plan's styles by name under module: ties across plans
+        for name, m, tp_plan in plans:
+            matched = check_tensor_parallel_plan(m, tp_plan, plan.tp, sequence_parallel=plan.sequence_parallel,
+                                                 name=name)  # fmt: skip
+            styles.update({f"{name}.{n}" if name else n: style for n, (_, style) in matched.items()})
+        check_tied_parameters(module, styles, where=type(module).__name__)
+        for name, m, tp_plan in plans:
             apply_tensor_parallel_plan(
                 m,
                 tp_plan,
@@ -336,7 +355,13 @@ def _apply_tensor_parallel(
                 sequence_parallel=plan.sequence_parallel,
                 overlap_chunks=chunks,
                 name=name,
+                check_regions=False,
             )
+        # one watch over the whole module: parameters outside the plans (a head of the LightningModule's own)
+        # used on the plans' sequence shards are found too
+        install_region_check(module, [(n, m) for n, m, _ in plans], tp=plan.tp,
+                             sequence_parallel=plan.sequence_parallel)  # fmt: skip
+    _check_ties_kept(module, ties)
     if not any(is_dtensor(p) for p in module.parameters()):
         raise ValueError(
             f"tp={plan.tp} found nothing to split: the model has no megascale GPT, no module declaring a "
@@ -351,6 +376,21 @@ def _apply_tensor_parallel(
         "overlap_tp_comm and tp_comm_chunks do not apply to those layers; declare a tensor_parallel_plan "
         "instead to get them"
     ]
+
+
+def _check_ties_kept(module: nn.Module, ties: dict[int, list[tuple[str, nn.Module, str]]]) -> None:
+    """Every weight tied before tensor parallelism is still one parameter (the plans' checks refuse what
+    would untie one; this catches any other way, e.g. a model splitting a tied layer itself)."""
+    for sites in ties.values():
+        held = {id(m._parameters.get(attr)) for _, m, attr in sites}
+        if len(held) > 1:
+            names = [f"{n}.{attr}" if n else attr for n, _, attr in sites]
+            raise ValueError(
+                f"tensor parallelism untied {names}: they were one parameter before the split and are now "
+                "separate copies, whose values would drift apart from the second step. Split every use of a tied "
+                "weight the same way (an embedding 'rowwise' with its LM head 'colwise'/'colwise_rep'), or untie "
+                "them"
+            )
 
 
 # ---- 2. pipeline -----------------------------------------------------------------------------------------

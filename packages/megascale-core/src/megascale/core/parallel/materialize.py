@@ -12,7 +12,14 @@ meta tensor real memory and values, by the module's own init, in this order:
 2. every other module holding meta parameters or buffers of its own runs ``reset_parameters()`` (what
    ``torch.nn`` layers define), under a random seed derived from ``seed`` and the module's name;
 3. a module that has neither is an error naming it, raised before anything is allocated (its values would be
-   whatever memory ``to_empty`` returned).
+   whatever memory ``to_empty`` returned);
+4. a buffer that the init of step 1 or 2 did not write is an error naming it (a causal mask or a position
+   table computed in ``__init__``: on the meta device that computation produced nothing, and
+   ``reset_parameters()`` of most modules writes parameters only; found by the buffer's version counter, and
+   by a sentinel fill for writes through ``.data``). The fixes the message names: write the buffer in
+   ``reset_parameters()``/``init_weights()`` too, or create it in ``__init__`` with an explicit device
+   (``torch.ones(T, T, device="cpu")``: computed for real even under the meta device, it moves with the model),
+   or build on a real device (``meta_init=False``).
 
 Step 2 is layout independent: each module draws from its own seeded generator, and a module whose
 parameters are split (DTensors) is reset on whole-size temporaries, of which each rank keeps its shard; so a
@@ -129,6 +136,8 @@ def materialize(module: nn.Module, device: torch.device | str, *, seed: int) -> 
         )
     if not owners and not resets:
         return []
+    meta_buffers = [(f"{prefix}.{n}" if prefix else n, m, n) for prefix, m in module.named_modules()
+                    for n, b in m._buffers.items() if b is not None and b.is_meta]  # fmt: skip
     sites: dict[int, list[tuple[nn.Module, str]]] = {}
     for m in module.modules():
         for n, p in m._parameters.items():
@@ -137,6 +146,7 @@ def materialize(module: nn.Module, device: torch.device | str, *, seed: int) -> 
     for m in module.modules():
         if has_meta_tensors(m, recurse=False):
             m.to_empty(device=device, recurse=False)
+    fresh = _fresh_buffers(meta_buffers)
     for tied in (s for s in sites.values() if len(s) > 1):
         first_module, first_name = tied[0]
         for m, n in tied[1:]:
@@ -148,7 +158,50 @@ def materialize(module: nn.Module, device: torch.device | str, *, seed: int) -> 
     for name, m in resets:
         with _seeded(_seed_of(seed, name), device), _whole([m], device):
             m.reset_parameters()  # type: ignore[operator]
+    unwritten = [name for name, m, b, version in fresh if _unwritten(m, name, b, version)]
+    if unwritten:
+        raise ValueError(
+            "meta-device init (meta_init=True): the buffers "
+            f"{[f'{q} ({type(m).__name__})' for q, m, _, _ in fresh if q in unwritten]} were computed on the meta "
+            "device in __init__ (so they hold nothing) and neither reset_parameters() nor an init_weights() "
+            "above them wrote them: their values would be whatever memory was allocated. Write them in "
+            "reset_parameters()/init_weights() too (e.g. self.mask.copy_(torch.tril(...))), or create them in "
+            "__init__ with an explicit device (torch.ones(..., device='cpu'): computed for real even under the "
+            "meta device, they move with the model), or build the model on a real device (meta_init=False)."
+        )
     return [name for name, _ in resets]
+
+
+def _fresh_buffers(
+    sites: list[tuple[str, nn.Module, str]],
+) -> list[tuple[str, nn.Module, torch.Tensor, int]]:
+    """(qualified name, module, tensor, version) of each buffer just allocated from the meta device, filled
+    with a sentinel (NaN; the largest integer; False) so that a write through ``.data``, which the version
+    counter does not see, shows in the values."""
+    out = []
+    for qualified, m, name in sites:
+        b = m._buffers[name]
+        assert b is not None
+        b.fill_(_sentinel(b))
+        out.append((qualified, m, b, b._version))
+    return out
+
+
+def _sentinel(b: torch.Tensor) -> float | int | bool:
+    if b.is_floating_point() or b.is_complex():
+        return float("nan")
+    if b.dtype == torch.bool:
+        return False
+    return torch.iinfo(b.dtype).max
+
+
+def _unwritten(m: nn.Module, qualified: str, b: torch.Tensor, version: int) -> bool:
+    name = qualified.rpartition(".")[2]
+    if m._buffers.get(name) is not b or b._version != version or b.numel() == 0:
+        return False  # replaced, or written in place (or nothing to write)
+    if b.is_floating_point() or b.is_complex():
+        return bool(b.isnan().all())
+    return bool((b == _sentinel(b)).all())
 
 
 def _seed_of(seed: int, name: str) -> int:

@@ -9,16 +9,19 @@ megascale's GPT. Activations are (B, T, ...); under sequence parallelism (SP) ra
 
 | style | on | parameters | forward |
 |---|---|---|---|
-| ``colwise`` | nn.Linear | weight, bias Shard(0) | input replicated, or (SP) this rank's sequence shard all-gathered in chunks overlapped with the GEMM; output: this rank's out-features |
+| ``colwise`` | nn.Linear | weight, bias Shard(0) | input replicated, or (SP) this rank's sequence shard all-gathered in chunks overlapped with the GEMM; output: this rank's out-features. Refused on a layer named like a fused projection (see below) |
+| ``colwise_unfused`` | nn.Linear | as colwise | colwise, without the fused-name rule: says the layer is not a fused projection |
 | ``rowwise`` | nn.Linear | weight Shard(1), bias replicated | input: this rank's in-features; partial outputs all-reduced, or (SP) reduce-scattered to sequence shards; bias added once |
 | ``rowwise`` | nn.Embedding | rows Shard(0) | vocabulary parallel: ids outside this rank's rows look up zeros; all-reduced, or (SP) reduce-scattered: enters the sequence region |
 | ``colwise_rep`` | nn.Linear | as colwise | colwise, then the output features gathered: every rank holds the whole output (an LM head feeding F.cross_entropy) |
-| ``sequence_parallel`` | any (norms) | plain, replicated | runs on sequence shards under SP, where each rank's gradient covers its tokens only: the gradients are summed over tp. Without SP nothing changes |
+| ``sequence_parallel`` | any (norms) | plain, replicated | runs on sequence shards under SP, where each rank's gradient covers its tokens only: the gradients are summed over tp. Without SP nothing changes. Also a block holding a LayerScale/ReZero gain of its own |
 | ``replicated_with_grad_allreduce`` | any (per-head q/k norms) | plain, replicated | inside the tensor-parallel region each rank sees its heads only: gradients summed over tp |
+| ``replicated_unsummed`` | any | plain, replicated | nothing: for a module that makes its parameters' gradients whole itself (its own collective); exempt from the first-forward check |
+| ``position_embedding`` | nn.Embedding | plain, replicated | a learned position table whose output's dim -2 is the positions: under SP each rank keeps its positions' rows (backward: all-gathered, so the table's gradient is whole) |
 | ``sequence_scatter`` | any | — | SP: its output split to this rank's sequence shard (backward: all-gathered): enters the sequence region |
 | ``sequence_gather`` | any | — | SP: its first input gathered along the sequence (backward: this rank's slice, for a replicated consumer such as a value head) |
 | ``split_region`` | any (attention core, dropout) | plain | runs on this rank's part (its heads between a colwise and a rowwise layer, or a sequence shard): random draws (dropout) come from the rank's own tensor-parallel stream (``rng.py``), so masks do not repeat across ranks |
-| a torch ``ParallelStyle`` | as torch says | DTensor | handed to ``parallelize_module`` as is (no megascale overlap or SP) |
+| a torch ``ParallelStyle`` | as torch says | DTensor | handed to ``parallelize_module`` as is (no megascale overlap or SP); a replicated parameter's gradient that arrives Partial (torch's ``SequenceParallel``) is made whole (all-reduced over tp) as it is accumulated, so every ZeRO stage sees whole gradients |
 
 How: a module keeps its identity, its parameter names and ``isinstance``; its class is swapped for a subclass
 whose ``forward`` does the above (as FSDP2's ``fully_shard`` swaps classes). Split parameters become DTensors
@@ -34,6 +37,20 @@ divisible by tp. Under SP the code between blocks sees (B, T/tp, D), including t
 layer then receives the wrong number of features). A plan that cannot apply is refused by
 ``check_tensor_parallel_plan`` before any collective; at run time an input that should be a sequence shard but
 is not (a path around the region's entry) is refused by the layer that would gather it.
+
+What is refused rather than silently wrong (each naming the module and the fix):
+- a trainable plain parameter used on a part of the activations (a sequence shard, this rank's heads) that no
+  style sums over tp: found in the first forward (``tp_region_check.py``), before any optimizer step;
+- plain ``colwise`` on a layer named like a fused projection (``FUSED_NAMES``: qkv, c_attn, query_key_value,
+  in_proj, gate_up, w13, w_pack): rank r would hold a contiguous block of the fused output (all of q on rank
+  0, v on rank 1), not its share of each part, and the model's ``chunk``/``split`` of the output would compute
+  a different network. A fused-aware split (rank r holding its slice of each part) has no DTensor placement
+  that ``torch.distributed.checkpoint`` can save (``_StridedShard`` on a 1-D mesh: "overlapping chunks"), so
+  it is not offered: give each part its own ``nn.Linear`` (q, k, v; gate, up), each ``colwise``; a layer
+  that is not fused despite its name: ``colwise_unfused``;
+- a weight tied between modules the plan splits differently (one split, one left whole; or split along
+  different dimensions): the tie would be silently broken. An embedding ``rowwise`` tied to an LM head
+  ``colwise``/``colwise_rep`` splits both by vocabulary rows and stays tied.
 """
 
 from __future__ import annotations
@@ -58,26 +75,45 @@ from megascale.core.parallel.tp_comm import (
     reduce_from_tp_region,
     reduce_scatter_to_sp_region,
 )
+from megascale.core.parallel.tp_region_check import (
+    MARKS,
+    PART_FEATURES,
+    PART_SEQUENCE,
+    install_region_check,
+    mark_covered,
+    mark_part,
+)
 
 __all__ = [
+    "FUSED_NAMES",
     "TP_STYLES",
     "apply_tensor_parallel_plan",
     "check_tensor_parallel_plan",
+    "check_tied_parameters",
     "find_tensor_parallel_plans",
+    "make_replicated_grads_whole",
     "tensor_parallel_plan_of",
+    "tied_parameter_sites",
 ]
 
 TP_STYLES = (
     "colwise",
+    "colwise_unfused",
     "rowwise",
     "colwise_rep",
     "sequence_parallel",
     "replicated_with_grad_allreduce",
+    "replicated_unsummed",
+    "position_embedding",
     "sequence_scatter",
     "sequence_gather",
     "split_region",
 )
-_SPLIT = ("colwise", "rowwise", "colwise_rep")
+_COLWISE = ("colwise", "colwise_unfused", "colwise_rep")
+_SPLIT = (*_COLWISE, "rowwise")
+FUSED_NAMES = ("qkv", "c_attn", "query_key_value", "in_proj", "gate_up", "w13", "w_pack")
+"""Parts of layer names commonly given to fused projections (q‖k‖v, gate‖up in one Linear): plain
+``colwise`` is refused on them (see the module docstring)."""
 
 
 def tensor_parallel_plan_of(module: nn.Module) -> dict[str, Any] | None:
@@ -181,6 +217,22 @@ def check_tensor_parallel_plan(
                 _fits(m.in_features, tp, "in_features", n, where)
             else:
                 _fits(m.out_features, tp, "out_features", n, where)
+            fused = [f for f in FUSED_NAMES if f in n.rpartition(".")[2].lower()]
+            if style == "colwise" and fused:
+                raise ValueError(
+                    f"tensor_parallel_plan of {where}: {n} is named like a fused projection ({fused[0]!r}: "
+                    "q‖k‖v or gate‖up in one nn.Linear), and 'colwise' would give each rank a contiguous block "
+                    "of its outputs (all of the first part on rank 0), not its share of each part: the model's "
+                    "chunk/split of the output would then compute a different network. Give each part its own "
+                    "nn.Linear, each 'colwise' (a fused split is not offered: torch.distributed.checkpoint "
+                    f"cannot save its layout); if {n} is not fused, mark it 'colwise_unfused'"
+                )
+        elif style == "position_embedding" and not isinstance(m, nn.Embedding):
+            raise ValueError(
+                f"tensor_parallel_plan of {where}: {n} is a {type(m).__name__}; 'position_embedding' takes an "
+                "nn.Embedding (a position table of your own: take this rank's positions of it in a module marked "
+                "'sequence_scatter')"
+            )
     styles = {n: s for n, (m, s) in matched.items() if isinstance(s, str)}
     enters = [n for n, s in styles.items()
               if s == "sequence_scatter" or (s == "rowwise" and isinstance(matched[n][0], nn.Embedding))]  # fmt: skip
@@ -191,7 +243,48 @@ def check_tensor_parallel_plan(
             "(vocabulary parallel) or the module that produces the first hidden states 'sequence_scatter'; or "
             "set sequence_parallel=False"
         )
+    check_tied_parameters(module, {n: s for n, (_, s) in matched.items()}, where=where)
     return matched
+
+
+def _placement(module: nn.Module, style: Any, param: str) -> str | None:
+    """How ``style`` splits ``module``'s parameter ``param``: a placement's name, or None (left whole)."""
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    if isinstance(style, ParallelStyle):
+        return f"{type(style).__name__} (torch)"
+    if style in _COLWISE or (style == "rowwise" and isinstance(module, nn.Embedding)):
+        return "split by rows, Shard(0)"  # a Linear's out-features, an Embedding's vocabulary rows
+    if style == "rowwise":
+        return "split by columns, Shard(1)" if param == "weight" else "replicated DTensor"
+    return None
+
+
+def tied_parameter_sites(root: nn.Module) -> dict[int, list[tuple[str, nn.Module, str]]]:
+    """{id(parameter): [(module name, module, attribute), ...]} for every parameter held by two modules or
+    more under ``root`` (tied weights)."""
+    sites: dict[int, list[tuple[str, nn.Module, str]]] = {}
+    for name, m in root.named_modules():
+        for attr, p in m._parameters.items():
+            if p is not None:
+                sites.setdefault(id(p), []).append((name, m, attr))
+    return {k: v for k, v in sites.items() if len(v) > 1}
+
+
+def check_tied_parameters(root: nn.Module, styles: Mapping[str, Any], *, where: str) -> None:
+    """Refuse a weight tied between modules that ``styles`` ({module name under ``root``: style}) would
+    split differently, one of them split and another left whole included: the tie would be broken."""
+    for sites in tied_parameter_sites(root).values():
+        how = {f"{n}.{attr}": _placement(m, styles.get(n), attr) for n, m, attr in sites}
+        if len(set(how.values())) < 2:
+            continue
+        said = ", ".join(f"{k}: {v or 'left whole (not in the plan)'}" for k, v in how.items())
+        raise ValueError(
+            f"tensor_parallel_plan of {where}: {' and '.join(how)} are one tied parameter, but the plan splits "
+            f"its uses differently ({said}): they would be silently untied (one split copy, one whole), and "
+            "their gradients wrong from the second step. Split every use the same way (an embedding 'rowwise' "
+            "tied to an LM head 'colwise' or 'colwise_rep': both by vocabulary rows), or untie them"
+        )
 
 
 # ---- the sequence region --------------------------------------------------------------------------------
@@ -225,22 +318,27 @@ class _SequenceRegion:
 
 
 class _SplitToSP(torch.autograd.Function):
-    """forward: this rank's sequence shard of a replicated (B, T, ...); backward: all-gather on T."""
+    """forward: this rank's sequence shard of a replicated (B, T, ...) (positions on ``dim``, 1 by default);
+    backward: all-gather on that dim, so a replicated producer gets its whole gradient on every rank."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup, dim: int = 1) -> torch.Tensor:
         tp, rank = dist.get_world_size(group), dist.get_rank(group)
-        if x.shape[1] % tp:
+        if x.shape[dim] % tp:
             raise ValueError(
-                f"sequence parallelism splits {x.shape[1]} positions over tp={tp}: not divisible"
+                f"sequence parallelism splits {x.shape[dim]} positions over tp={tp}: not divisible"
             )
-        ctx.group = group
-        n = x.shape[1] // tp
-        return x[:, rank * n : (rank + 1) * n].contiguous()
+        ctx.group, ctx.dim = group, dim
+        n = x.shape[dim] // tp
+        return x.narrow(dim, rank * n, n).contiguous()
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return all_gather_seq(grad, ctx.group), None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        if ctx.dim == 1:
+            return all_gather_seq(grad, ctx.group), None, None
+        parts = [torch.empty_like(grad) for _ in range(dist.get_world_size(ctx.group))]
+        dist.all_gather(parts, grad.contiguous(), group=ctx.group)
+        return torch.cat(parts, dim=ctx.dim), None, None
 
 
 class _GatherForReplicated(torch.autograd.Function):
@@ -274,6 +372,10 @@ class _TPLayer:
     _tp_chunks: int
     _tp_region: _SequenceRegion
     _tp_name: str
+    _megascale_tp_marks = False  # a first-forward check is watching: mark outputs (tp_region_check.py)
+
+    def _mark(self, y: Any, part: str | None) -> Any:
+        return mark_part(y, part) if self._megascale_tp_marks else y
 
     @property
     def _tp_group(self) -> dist.ProcessGroup:
@@ -289,12 +391,13 @@ class _Colwise(_TPLayer):
             self._tp_region.check(x, self._tp_mesh.size(), self._tp_name)
         (y,) = column_parallel_matmul(x, [local(self.weight)], [local(self.bias)], self._tp_group,
                                       sequence_parallel=self._tp_sp, chunks=self._tp_chunks)  # fmt: skip
-        return y
+        return self._mark(y, PART_FEATURES)
 
 
 class _ColwiseRep(_Colwise):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _GatherForReplicated.apply(super().forward(x), self._tp_group, -1 % (x.dim()))
+        y = _GatherForReplicated.apply(super().forward(x), self._tp_group, -1 % (x.dim()))
+        return self._mark(y, None)
 
 
 class _Rowwise(_TPLayer):
@@ -309,7 +412,7 @@ class _Rowwise(_TPLayer):
         bias = local(self.bias)
         if bias is not None:
             y = y + (copy_to_tp_region(bias, self._tp_group) if self._tp_sp else bias)
-        return y.squeeze(0) if flat else y
+        return self._mark(y.squeeze(0) if flat else y, PART_SEQUENCE if self._tp_sp else None)
 
 
 class _VocabParallelEmbedding(_TPLayer):
@@ -327,9 +430,20 @@ class _VocabParallelEmbedding(_TPLayer):
         x = F.embedding(ids.masked_fill(outside, 0), weight, pad, scale_grad_by_freq=self.scale_grad_by_freq)
         x = x.masked_fill(outside.unsqueeze(-1), 0.0)
         if not self._tp_sp:
-            return reduce_from_tp_region(x, self._tp_group)
+            return self._mark(reduce_from_tp_region(x, self._tp_group), None)
         self._tp_region.enter(ids.shape[1])
-        return reduce_scatter_to_sp_region(x, self._tp_group)
+        return self._mark(reduce_scatter_to_sp_region(x, self._tp_group), PART_SEQUENCE)
+
+
+class _PositionEmbedding(_TPLayer):
+    """A learned position table (nn.Embedding; its output's dim -2 holds the positions): under SP each rank
+    keeps its own positions' rows; backward all-gathers them, so the table's gradient is whole everywhere."""
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        out = super().forward(positions)  # type: ignore[misc]
+        if not self._tp_sp:
+            return out
+        return self._mark(_SplitToSP.apply(out, self._tp_group, out.dim() - 2), PART_SEQUENCE)
 
 
 class _GradSumOverTP(_TPLayer):
@@ -357,15 +471,15 @@ class _SequenceScatter(_TPLayer):
         if not self._tp_sp:
             return out
         self._tp_region.enter(out.shape[1])
-        return _SplitToSP.apply(out, self._tp_group)
+        return self._mark(_SplitToSP.apply(out, self._tp_group), PART_SEQUENCE)
 
 
 class _SequenceGather(_TPLayer):
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if self._tp_sp:
             self._tp_region.check(x, self._tp_mesh.size(), self._tp_name)
-            x = _GatherForReplicated.apply(x, self._tp_group, 1)
-        return super().forward(x, *args, **kwargs)  # type: ignore[misc]
+            x = self._mark(_GatherForReplicated.apply(x, self._tp_group, 1), None)
+        return self._mark(super().forward(x, *args, **kwargs), None)  # type: ignore[misc]
 
 
 _SWAPPED: dict[tuple[type, type], type] = {}
@@ -392,6 +506,7 @@ def apply_tensor_parallel_plan(
     sequence_parallel: bool,
     overlap_chunks: int = 1,
     name: str = "",
+    check_regions: bool = True,
 ) -> nn.Module:
     """Split ``module`` over the 1-D ``tp_mesh`` as ``plan`` says, in place (see the module docstring); checks
     the plan first. Works on meta-device modules (compute happens after materialisation).
@@ -400,6 +515,9 @@ def apply_tensor_parallel_plan(
         sequence_parallel: activations between blocks are sequence shards.
         overlap_chunks: pieces each TP collective is split into, overlapped with the GEMMs (1: none).
         name: the module's qualified name, for messages.
+        check_regions: watch the first forward for trainable plain parameters used on a part of the
+            activations that no style sums over tp, and refuse them by name (``tp_region_check.py``).
+            ``parallelize`` turns it off here and watches the whole LightningModule instead.
     """
     from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
@@ -413,10 +531,11 @@ def apply_tensor_parallel_plan(
             torch_styles[n] = style
             continue
         state = dict(mesh=tp_mesh, sp=sequence_parallel, chunks=overlap_chunks, region=region, name=n)
-        if style in ("colwise", "colwise_rep"):
+        covered = True  # the style takes care of the module's own parameters (tp_region_check.py)
+        if style in _COLWISE:
             distribute(m, "weight", [Shard(0)])
             distribute(m, "bias", [Shard(0)])
-            _swap(m, _Colwise if style == "colwise" else _ColwiseRep, **state)
+            _swap(m, _ColwiseRep if style == "colwise_rep" else _Colwise, **state)
         elif style == "rowwise" and isinstance(m, nn.Embedding):
             distribute(m, "weight", [Shard(0)])
             _swap(m, _VocabParallelEmbedding, **state)
@@ -429,12 +548,77 @@ def apply_tensor_parallel_plan(
             split = sequence_parallel or style != "sequence_parallel"
             _swap(m, _GradSumOverTP, **state, sum_grads=split)
             m._megascale_split_region = split  # type: ignore[assignment]  # its dropout: the tp stream
+            covered = split
         elif style == "split_region":
             m._megascale_split_region = True  # type: ignore[assignment]  # parallelize forks its RNG stream
+            covered = False  # its parameters, if any, see this rank's part
+        elif style == "position_embedding":
+            _swap(m, _PositionEmbedding, **state)
         elif style == "sequence_scatter":
             _swap(m, _SequenceScatter, **state)
-        else:
+        elif style == "sequence_gather":
             _swap(m, _SequenceGather, **state)
+        # "replicated_unsummed": nothing to do but exempt it from the check
+        if covered:
+            mark_covered(m)
     if torch_styles:
         parallelize_module(module, tp_mesh, torch_styles)
+        for n, style in torch_styles.items():
+            m = module.get_submodule(n)
+            mark_covered(m)
+            _mark_torch_style_outputs(m, style)
+        make_replicated_grads_whole(module)
+    if check_regions and tp > 1:
+        install_region_check(module, [(name, module)], tp=tp, sequence_parallel=sequence_parallel)
     return module
+
+
+def _mark_torch_style_outputs(module: nn.Module, style: Any) -> None:
+    """Mark what a torch style's (local) output holds, for the first-forward check."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    layouts = getattr(style, "output_layouts", None)
+    layout = layouts[0] if isinstance(layouts, tuple) else layouts
+    if isinstance(style, SequenceParallel) or (isinstance(layout, Shard) and layout.dim == 1):
+        part: str | None = PART_SEQUENCE
+    elif isinstance(style, ColwiseParallel) and isinstance(layout, Shard):
+        part = PART_FEATURES
+    elif isinstance(style, (ColwiseParallel, RowwiseParallel)):
+        part = None
+    else:
+        return
+    setattr(module, MARKS, False)
+
+    def hook(m: nn.Module, args: Any, out: Any) -> Any:
+        return mark_part(out, part) if getattr(m, MARKS, False) and not is_dtensor(out) else out
+
+    module.register_forward_hook(hook)
+
+
+def _whole_grad(p: torch.Tensor) -> None:
+    g = p.grad
+    if g is not None and is_dtensor(g) and any(pl.is_partial() for pl in g.placements):  # type: ignore[attr-defined]
+        p.grad = g.redistribute(g.device_mesh, p.placements)  # type: ignore[attr-defined]
+
+
+def make_replicated_grads_whole(module: nn.Module) -> int:
+    """Give every DTensor parameter of ``module`` with a Replicate placement a post-accumulate-grad hook that
+    turns a Partial (unreduced) gradient into the parameter's own placements (an all-reduce over tp); returns
+    how many got one.
+
+    Why: torch's ``SequenceParallel`` leaves its replicated weights' gradients Partial. DTensor-aware code
+    sums them when it needs to, but data-parallel reduction works on the local tensors: ZeRO-1 reduced the
+    unreduced piece as if whole and the tp ranks diverged (0.017 after a few steps). Registered at
+    parallelisation, before ZeRO's hooks, so every ZeRO stage sees the whole gradient. Meta-device parameters
+    are skipped: call it again once they are materialised (``parallelize`` does)."""
+    hooked = 0
+    for p in module.parameters():
+        if not is_dtensor(p) or p.is_meta or getattr(p, "_megascale_whole_grad", False):
+            # meta: a hook registered on a meta tensor is lost (and blocks later ones) when materialisation
+            # gives it memory; parallelize registers them after materialising
+            continue
+        if any(isinstance(pl, Replicate) for pl in p.placements):  # type: ignore[attr-defined]
+            p.register_post_accumulate_grad_hook(_whole_grad)
+            p._megascale_whole_grad = True  # type: ignore[attr-defined]
+            hooked += 1
+    return hooked
