@@ -87,10 +87,16 @@ def test_cli_reads_a_model_file_and_refuses_bad_input(tmp_path, capsys: pytest.C
     )
     assert main(["--model", str(path), "--gpus", "8", "--global-batch", "16", "--top", "1"]) == 0
     assert "256" not in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        main(["--model", "no-such-preset", "--gpus", "8", "--global-batch", "16"])
-    with pytest.raises(SystemExit):
-        main(["--hidden", "256", "--gpus", "8", "--global-batch", "16"])  # an incomplete shape
+    capsys.readouterr()
+    assert main(["--model", "no-such-preset", "--gpus", "8", "--global-batch", "16"]) == 2
+    assert main(["--hidden", "256", "--gpus", "8", "--global-batch", "16"]) == 2  # an incomplete shape
+    assert main(["--model", "llama-3-8b", "--gpus", "8", "--global-batch", "16"]) == 2
+    assert main(["--model", "missing/config.json", "--gpus", "8", "--global-batch", "16"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("megascale plan: error: --model 'no-such-preset' is neither a preset nor a file")
+    assert err[2] == "megascale plan: error: the shape needs all of --hidden, --layers, --heads and --vocab"
+    assert "did you mean 'llama3-8b'?" in err[4]
+    assert err[6] == "megascale plan: error: --model missing/config.json: no such file"
 
 
 def test_calibration_measures_this_machine_and_plans_cpu_ranks() -> None:

@@ -19,6 +19,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from megascale.core.cli_errors import UserError, report_user_errors
 from megascale.core.config import GPTConfig
 from megascale.core.parallel.plan import SCHEDULES
 from megascale.core.plan.cluster import GPUS, ClusterSpec, gpu_spec
@@ -27,7 +28,14 @@ from megascale.core.plan.presets import PRESETS, load_model
 from megascale.core.plan.search import Candidate, Fixed, search
 from megascale.core.plan.shapes import stages_of_rank
 
-__all__ = ["main"]
+__all__ = ["EXAMPLES", "main"]
+
+EXAMPLES = """\
+  megascale plan --model llama3-8b --gpus 16 --global-batch 64 --seq-len 4096     # a preset, default --gpu h100
+  megascale plan --model config.json --gpus 64 --gpu a100 --global-batch 512 --tp 8 --pp 2   # parts fixed
+  megascale plan --hidden 4096 --layers 32 --heads 32 --vocab 32000 --gpus 16 --global-batch 64
+  megascale plan --model llama3-8b --gpus 16 --global-batch 64 --emit-config run.yaml --cpu-trial trial.yaml
+  megascale plan --calibrate                                                  # this machine's figures"""
 
 _GB = 1e9
 
@@ -37,6 +45,8 @@ def _parser() -> argparse.ArgumentParser:
         prog="megascale plan",
         description="Rank tp × pp × dp × ZeRO × micro-batching layouts of a GPT on a cluster by predicted step "
         "time, with their memory per GPU. Fix any part of the layout to search the rest; fix all to predict one.",
+        epilog="examples:\n" + EXAMPLES + "\n",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     m = p.add_argument_group("model")
     m.add_argument("--model", help=f"a preset ({', '.join(sorted(PRESETS))}), a GPTConfig YAML/JSON, a "
@@ -73,25 +83,23 @@ def _parser() -> argparse.ArgumentParser:
     o.add_argument(
         "--emit-config", type=Path, metavar="OUT.yaml", help="write a LightningCLI config for the first"
     )
+    o.add_argument("--traceback", action="store_true", help="show the full trace of an error")
     o.add_argument("--calibrate", action="store_true",
                    help="measure this machine's matmul rate, memory, gloo all-reduce bandwidth and call latencies; with "
                    "a model, plan CPU ranks with those figures")  # fmt: skip
     return p
 
 
-def _model(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> GPTConfig | None:
+def _model(ns: argparse.Namespace) -> GPTConfig | None:
     shape = [ns.hidden, ns.layers, ns.heads, ns.vocab]
     if ns.model and any(v is not None for v in shape):
-        parser.error("give --model or the shape (--hidden --layers --heads --vocab), not both")
+        raise UserError("give --model or the shape (--hidden --layers --heads --vocab), not both")
     if ns.model:
-        try:
-            return load_model(ns.model)
-        except ValueError as e:
-            parser.error(str(e))
+        return load_model(ns.model)
     if all(v is None for v in shape):
         return None
     if any(v is None for v in shape):
-        parser.error("the shape needs all of --hidden, --layers, --heads and --vocab")
+        raise UserError("the shape needs all of --hidden, --layers, --heads and --vocab")
     return GPTConfig(vocab_size=ns.vocab, d_model=ns.hidden, n_layers=ns.layers, n_heads=ns.heads,
                      n_kv_heads=ns.kv_heads, ffn_hidden=ns.ffn_hidden, max_seq_len=ns.seq_len or 2048)  # fmt: skip
 
@@ -115,10 +123,15 @@ def _why(c: Candidate) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run ``megascale plan`` on ``argv`` (default: the command line); the exit status."""
+    """Run ``megascale plan`` on ``argv`` (default: the command line); the exit status (2: a usage error,
+    printed in one line; ``--traceback`` shows its trace)."""
     parser = _parser()
     ns = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    config = _model(ns, parser)
+    return report_user_errors("megascale plan", lambda: _plan(ns), traceback=ns.traceback)
+
+
+def _plan(ns: argparse.Namespace) -> int:
+    config = _model(ns)
     calibration = None
     if ns.calibrate:
         from megascale.core.plan.calibrate import cpu_cluster, measure
@@ -134,9 +147,9 @@ def main(argv: list[str] | None = None) -> int:
         if config is None:
             return 0
     if config is None:
-        parser.error("give --model, or the shape (--hidden --layers --heads --vocab), or --calibrate")
+        raise UserError("give --model, or the shape (--hidden --layers --heads --vocab), or --calibrate")
     if ns.gpus is None or ns.global_batch is None:
-        parser.error("--gpus and --global-batch are needed to plan")
+        raise UserError("--gpus and --global-batch are needed to plan")
     seq_len = ns.seq_len or config.max_seq_len
     if seq_len > config.max_seq_len:
         config = replace(config, max_seq_len=seq_len)
@@ -145,10 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         workload = Workload(config, seq_len=seq_len, global_batch=ns.global_batch, precision="32-true",
                             optimizer=ns.optimizer, kernels=Kernels.cpu())  # fmt: skip
     else:
-        try:
-            gpu = gpu_spec(ns.gpu)
-        except ValueError as e:
-            parser.error(str(e))
+        gpu = gpu_spec(ns.gpu)
         network = ns.network_gbps * 1e9 / 8 if ns.network_gbps else None
         cluster = ClusterSpec(gpu, gpus=ns.gpus, gpus_per_node=ns.gpus_per_node, network_bandwidth=network)
         workload = Workload(config, seq_len=seq_len, global_batch=ns.global_batch, precision=ns.precision,
@@ -156,11 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     fixed = Fixed(tp=ns.tp, pp=ns.pp, dp=ns.dp, zero_stage=ns.zero_stage, micro_batch_size=ns.micro_batch_size,
                   num_microbatches=ns.num_microbatches, schedule=ns.schedule, virtual_stages=ns.virtual_stages,
                   sequence_parallel=ns.sequence_parallel, activation_checkpointing=ns.activation_checkpointing)  # fmt: skip
-    try:
-        ranked = search(workload, cluster, fixed, top=ns.top)
-    except ValueError as e:
-        print(f"megascale plan: {e}", file=sys.stderr)
-        return 2
+    ranked = search(workload, cluster, fixed, top=ns.top)  # a ValueError names what cannot be laid out
     if ns.json:
         out = {
             "model": config.to_dict(), "seq_len": seq_len, "global_batch": ns.global_batch,
