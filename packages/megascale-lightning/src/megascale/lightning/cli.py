@@ -7,7 +7,7 @@
 #     megascale configs                                     # shipped configs and their paths
 #     megascale convert CHECKPOINT_DIR model.pt             # a checkpoint → one plain file for inference
 #     megascale convert --from-hf HF_DIR model.pt           # a Hugging Face model → that file
-#     megascale convert --to-hf model.pt HF_DIR --model-type qwen2   # that file (or a checkpoint) → Hugging Face
+#     megascale convert --to-hf checkpoints/run/ HF_DIR     # the newest checkpoint (or that file) → Hugging Face
 #     megascale plan --model gpt3-175b --gpus 1024 --gpu a100 --global-batch 1536   # rank layouts (core's planner)
 #
 # `megascale --help` lists every subcommand (LightningCLI's four and ours) with one line each; every
@@ -88,9 +88,10 @@ EXAMPLES: dict[str, str] = {
   megascale predict --config my.yaml --ckpt_path checkpoints/last.ckpt""",
     "plan": PLAN_EXAMPLES,
     "convert": """\
-  megascale convert checkpoints/last.ckpt model.pt             # a checkpoint → one file (load_gpt reads it)
-  megascale convert --from-hf Llama-3.2-1B/ model.pt           # a Hugging Face model → that file
-  megascale convert --to-hf checkpoints/last.ckpt hf_out/      # a checkpoint or that file → Hugging Face""",
+  megascale convert checkpoints/run/ model.pt              # the newest checkpoint → one file (load_gpt reads it)
+  megascale convert --from-hf Llama-3.2-1B/ model.pt       # a Hugging Face model → that file
+  megascale convert --to-hf checkpoints/run/ hf_out/       # the newest checkpoint (or that file) → Hugging Face
+  megascale convert --to-hf model.pt hf_out/ --model-type qwen2 --eos-token-id 151643   # family, ids by hand""",
     "configs": """\
   megascale configs                                           # names and paths
   megascale fit --config tiny_cpu.yaml                        # run one""",
@@ -178,49 +179,9 @@ def _configs(argv: list[str]) -> None:
 
 
 def _convert(argv: list[str]) -> None:
-    from megascale.core.hf import MODEL_TYPES
-    from megascale.lightning.checkpoint_io import convert_from_hf, convert_to_hf, convert_to_torch
+    from megascale.lightning.convert_cli import main as convert
 
-    parser = argparse.ArgumentParser(
-        prog="megascale convert",
-        description="Turn a MegaScaleStrategy checkpoint directory into one plain file for inference: "
-        "{'config': GPTConfig dict, 'state_dict': weights}, loadable with torch.load(weights_only=True) "
-        "and megascale.lightning.checkpoint_io.load_gpt. --from-hf writes that file from a Hugging Face model "
-        "directory; --to-hf writes a Hugging Face model directory from that file or a checkpoint "
-        "(both need pip install 'megascale-core[hf]').",
-        epilog="examples:\n" + EXAMPLES["convert"],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    direction = parser.add_mutually_exclusive_group()
-    direction.add_argument("--from-hf", action="store_true", help="SOURCE is a Hugging Face model directory")
-    direction.add_argument(
-        "--to-hf", action="store_true", help="OUTPUT is a Hugging Face model directory to write"
-    )
-    parser.add_argument("source", help="checkpoint directory (e.g. checkpoints/run/last.ckpt), or see above")
-    parser.add_argument("output", help="file to write, e.g. model.pt; with --to-hf a directory")
-    parser.add_argument(
-        "--model-type", choices=MODEL_TYPES, default=None, help="with --to-hf: the family (default llama)"
-    )
-    parser.add_argument(
-        "--max-shard-size",
-        default=None,
-        help="with --to-hf: bytes per safetensors file, e.g. 2GB (default 5GB)",
-    )
-    ns = parser.parse_args(argv)
-    if not ns.to_hf and (ns.model_type is not None or ns.max_shard_size is not None):
-        raise UserError("--model-type and --max-shard-size go with --to-hf")
-    if ns.to_hf:
-        files = convert_to_hf(
-            ns.source,
-            ns.output,
-            model_type=ns.model_type or "llama",
-            max_shard_size=ns.max_shard_size or "5GB",
-        )
-        size = sum(f.stat().st_size for f in files)
-        print(f"wrote {ns.output}: {len(files)} files ({size / 2**20:.1f} MiB)")
-        return
-    out = (convert_from_hf if ns.from_hf else convert_to_torch)(ns.source, ns.output)
-    print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB)")
+    convert(argv, EXAMPLES["convert"])
 
 
 def _lightning(args: ArgsType, from_command_line: bool) -> None:
