@@ -24,7 +24,9 @@ def test_the_family_is_inferred_from_the_architecture(family, tmp_path):
 
 def test_a_config_no_family_expresses_is_refused_naming_why():
     config = GPTConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, parallel_block=True)
-    with pytest.raises(ValueError, match=r"no Hugging Face family expresses this GPTConfig: .*parallel_block"):
+    with pytest.raises(
+        ValueError, match=r"no Hugging Face family expresses this GPTConfig: .*parallel_block"
+    ):
         infer_model_type(config)
 
 
