@@ -114,3 +114,25 @@ def test_calibration_measures_this_machine_and_plans_cpu_ranks() -> None:
                         global_batch=8, precision="32-true")  # fmt: skip
     ranked = search(workload, cluster)
     assert ranked[0].fits and ranked[0].step.step_time > 0
+
+
+def test_refusals_name_the_real_cause(capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["--model", "llama3-8b", "--global-batch", "64", "--top", "1"]
+    assert main([*base, "--gpus", "16", "--tp", "8", "--pp", "4", "--dp", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "tp × pp × dp = 8 × 4 × 1 = 32 GPUs, but --gpus is 16" in err and "global batch" not in err
+    assert main([*base, "--gpus", "16", "--dp", "3"]) == 2
+    assert "dp=3 = 3 does not divide the 16 GPUs" in capsys.readouterr().err
+    # states dominate and ZeRO would shard them: say so, not "lower the global batch"
+    assert main(["--model", "llama2-7b", "--gpus", "8", "--global-batch", "64", "--tp", "1", "--pp", "1",
+                 "--zero-stage", "0", "--top", "1"]) == 1  # fmt: skip
+    err = capsys.readouterr().err
+    assert "the model states dominate: a higher ZeRO stage (--zero-stage 3" in err
+    assert "a smaller global batch would not help" in err
+
+
+def test_help_states_the_default_gpu_and_shows_examples(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "default: h100" in text and "examples: megascale plan --model" in text and "--cpu-trial" in text

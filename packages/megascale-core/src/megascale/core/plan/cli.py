@@ -59,7 +59,8 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--vocab", type=int)
     r = p.add_argument_group("run and cluster")
     r.add_argument("--gpus", type=int, help="GPUs (or, with --calibrate, CPU ranks) in all")
-    r.add_argument("--gpu", default="h100", help=f"GPU kind: {', '.join(sorted(GPUS))} (aliases a100, h100)")
+    r.add_argument("--gpu", default="h100",
+                   help=f"GPU kind: {', '.join(sorted(GPUS))} (aliases a100, h100; default: h100)")  # fmt: skip
     r.add_argument("--gpus-per-node", type=int, default=8)
     r.add_argument("--network-gbps", type=float, help="network per node in Gb/s (default: the kind's DGX)")
     r.add_argument("--global-batch", type=int, help="sequences per optimizer step")
@@ -80,8 +81,13 @@ def _parser() -> argparse.ArgumentParser:
     o = p.add_argument_group("output")
     o.add_argument("--top", type=int, default=5, help="layouts to print (default 5)")
     o.add_argument("--json", action="store_true", help="print every prediction of the top layouts as JSON")
+    o.add_argument("--emit-config", type=Path, metavar="OUT.yaml",
+                   help="write a config of the first choice that `megascale fit --config OUT.yaml` runs")  # fmt: skip
+    o.add_argument("--cpu-trial", type=Path, metavar="TRIAL.yaml",
+                   help="write that config shrunk to run on this machine's CPU in a minute (same strategy, tp and "
+                   "pp at most 2, a small model of the same kind)")  # fmt: skip
     o.add_argument(
-        "--emit-config", type=Path, metavar="OUT.yaml", help="write a LightningCLI config for the first"
+        "--max-steps", type=int, default=1000, help="training steps of --emit-config (default 1000)"
     )
     o.add_argument("--traceback", action="store_true", help="show the full trace of an error")
     o.add_argument("--calibrate", action="store_true",
@@ -167,6 +173,8 @@ def _plan(ns: argparse.Namespace) -> int:
                   num_microbatches=ns.num_microbatches, schedule=ns.schedule, virtual_stages=ns.virtual_stages,
                   sequence_parallel=ns.sequence_parallel, activation_checkpointing=ns.activation_checkpointing)  # fmt: skip
     ranked = search(workload, cluster, fixed, top=ns.top)  # a ValueError names what cannot be laid out
+    if ns.json and not ranked[0].fits:
+        print(no_fit_advice(ranked[0], cluster.usable_memory), file=sys.stderr)
     if ns.json:
         out = {
             "model": config.to_dict(), "seq_len": seq_len, "global_batch": ns.global_batch,
@@ -188,17 +196,70 @@ def _plan(ns: argparse.Namespace) -> int:
             print(_row(i, c))
             print(_why(c))
         if not ranked[0].fits:
-            print(
-                "no layout fits: add GPUs, shorten the sequence, or lower the global batch", file=sys.stderr
-            )
-    if ns.emit_config:
-        from megascale.core.plan.emit import lightning_config, to_yaml
-
-        best = ranked[0]
-        header = (f"written by megascale plan: {best.layout.describe()}; predicted {best.memory.total / _GB:.1f} GB "
-                  f"per GPU, {best.step.step_time:.3f} s per step, {best.step.tflops_per_gpu:.0f} TFLOP/s per GPU "
-                  f"on {cluster.gpus} × {cluster.gpu.name}")  # fmt: skip
-        text = to_yaml(lightning_config(best, config, seq_len, cluster, workload.precision), header)
-        ns.emit_config.write_text(text)
-        print(f"wrote {ns.emit_config}", file=sys.stderr if ns.json else sys.stdout)
+            print(no_fit_advice(ranked[0], cluster.usable_memory), file=sys.stderr)
+    if ns.emit_config or ns.cpu_trial:
+        _emit(ns, ranked[0], config, seq_len, cluster, workload.precision)
     return 0 if ranked[0].fits else 1
+
+
+def no_fit_advice(smallest: Candidate, usable: float) -> str:
+    """Why even the layout needing least memory does not fit, and what would help: sharding the model
+    states (ZeRO over the data-parallel ranks, more GPUs) when they dominate, else the activations."""
+    m, plan, dp = smallest.memory.peak, smallest.layout.plan, smallest.layout.dp
+    head = (f"no layout fits in {usable / _GB:.0f} GB per GPU: the smallest, {smallest.layout.describe()}, needs "
+            f"{smallest.memory.total / _GB:.1f} GB (model states {m.states / _GB:.1f} GB, activations "
+            f"{m.activations / _GB:.1f} GB)")  # fmt: skip
+    if m.states < m.activations:
+        return (head + "; the activations dominate: shorten the sequence (--seq-len), checkpoint activations "
+                "(--activation-checkpointing full) or use more GPUs for tp/pp")  # fmt: skip
+    fixes = []
+    top_zero = 3 if plan.pp == 1 else 2
+    if dp > 1 and plan.zero_stage < top_zero:
+        fixes.append(
+            f"a higher ZeRO stage (--zero-stage {top_zero} shards them over the {dp} data-parallel ranks)"
+        )
+    fixes.append("more GPUs (more data-parallel ranks for ZeRO to shard the states over, or larger tp × pp)")
+    return (
+        head
+        + "; the model states dominate: "
+        + ", or ".join(fixes)
+        + " (a smaller global batch would not help)"
+    )
+
+
+def _emit(ns: argparse.Namespace, best: Candidate, config: GPTConfig, seq_len: int, cluster: ClusterSpec,
+          precision: str) -> None:  # fmt: skip
+    """--emit-config and --cpu-trial: the configs of the first choice, with the commands that run them."""
+    from megascale.core.plan.emit import cpu_trial, lightning_config, preparation, to_yaml, tokenizer_for
+
+    tokenizer = tokenizer_for(config, ns.model)
+    parameters = stages_of_rank(config, 1, 1, 0)[0].parameters(config, 1)
+    emitted = lightning_config(best, config, seq_len, cluster, precision, tokenizer=tokenizer,
+                               max_steps=ns.max_steps, parameters=parameters)  # fmt: skip
+    prepare = preparation(tokenizer, config.vocab_size)
+    out = sys.stderr if ns.json else sys.stdout
+    predicted = (f"predicted {best.memory.total / _GB:.1f} GB per GPU, {best.step.step_time:.3f} s per step, "
+                 f"{best.step.tflops_per_gpu:.0f} TFLOP/s per GPU on {cluster.gpus} × {cluster.gpu.name}")  # fmt: skip
+    for path, config_dict, what in (
+        (ns.emit_config, emitted, f"the first choice, {best.layout.describe()}; {predicted}"),
+        (ns.cpu_trial, cpu_trial(emitted, best, config) if ns.cpu_trial else None,
+         f"the first choice shrunk to this machine's CPU (a small model of the same kind, tp, pp <= 2), to try "
+         f"the config, strategy and data before the GPUs: {best.layout.describe()} at full size"),
+    ):  # fmt: skip
+        if path is None or config_dict is None:
+            continue
+        trial = config_dict is not emitted
+        steps = ["megascale-data stdlib --output .cache/megascale/stdlib"] if trial else prepare
+        if (
+            trial
+            and config_dict["data"]["init_args"]["train"].get("tokenizer") is None
+            and tokenizer != "bytes"
+        ):
+            what += f"; bytes (vocabulary 257) stand in for the BPE of {config.vocab_size} ids the full run trains"
+        header = "\n".join([f"written by megascale plan: {what}",
+                            "needs megascale-lightning and megascale-data (pip install 'megascale-data[lightning]')",
+                            "run once before:", *(f"  {c}" for c in steps),
+                            "then:", f"  megascale fit --config {path}"])  # fmt: skip
+        Path(path).write_text(to_yaml(config_dict, header))
+        print(f"wrote {path}: {'first run ' + ' && '.join(steps) + ', then ' if steps else ''}"
+              f"megascale fit --config {path}", file=out)  # fmt: skip
