@@ -54,7 +54,9 @@ def _driver_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-self-check", action="store_true", help="skip the self-checks before attempts")
     parser.add_argument("--self-check-timeout", type=float, default=d.self_check_timeout)
     parser.add_argument("--storage", help="checkpoint storage URL the self-check probes")
-    parser.add_argument("--run-dir", default=d.run_dir, help="report, self-check reports, timeline")
+    parser.add_argument("--run-dir", default=d.run_dir,
+                        help="where report.json, self-check reports, timeline.json/.png and a hang's stacks go "
+                        "(default: ./%(default)s)")  # fmt: skip
     parser.add_argument("--straggler-threshold", type=float, default=d.straggler_threshold)
     parser.add_argument("-v", "--verbose", action="store_true")
     parser.add_argument("--traceback", action="store_true", help="show the full trace of an error")

@@ -34,7 +34,7 @@ from megascale.ft.config import DriverAddress, Timeouts, TLSConfig
 from megascale.ft.executor import ENV
 from megascale.ft.heartbeat import HeartbeatServer, require_tls_off_loopback
 from megascale.ft.monitor import Fault, JobMonitor
-from megascale.ft.stacks import STACKS_ENV
+from megascale.ft.stacks import STACKS_ENV, prune_empty
 
 __all__ = ["LaunchConfig", "Launcher", "Rendezvous", "RunReport", "check_command", "run_self_check"]
 
@@ -105,7 +105,7 @@ class RunReport:
             what = "ok" if fault is None else f"{fault['kind']} of rank {fault['rank']}: {fault['message']}"
             if fault is not None and fault.get("node") is not None:
                 what = f"{fault['kind']} on node {fault['node']} (rank {fault['rank']}): {fault['message']}"
-            latency = "" if fault is None else f", noticed after {fault['latency']:.2f} s"
+            latency = "" if fault is None else f", noticed {fault['latency']:.2f} s after its last heartbeat"
             nodes = f" on nodes {', '.join(a['nodes'])}" if a.get("nodes") else ""
             lines.append(f"  attempt {a['attempt']}{nodes}: {what}{latency} ({a['seconds']:.1f} s)")
             if fault is not None and fault.get("stacks"):
@@ -337,6 +337,7 @@ class Launcher:
             kill_tree(process.pid, extra=pids)
             process.wait()
             tee.join(timeout=5.0)
+            prune_empty(self._stacks_dir(attempt))
 
     # --- the run --------------------------------------------------------------------------------------
     def run(self) -> RunReport:
@@ -450,8 +451,16 @@ def _write_timeline(run_dir: Path, monitors: list[JobMonitor], threshold: float)
     timeline.write_chrome_trace(
         events, run_dir / "timeline.json", hosts=hosts, stragglers=flagged, order=order
     )
+    # the picture: the last attempt that reported steps (a restart's gap would squeeze every step into a
+    # sliver); the Chrome trace above holds every attempt
+    last = next((i for i in range(len(monitors) - 1, -1, -1) if any(monitors[i].timings().values())), 0)
+    shown = {rank: evs for rank, evs in monitors[last].timings().items() if evs}
+    title = None
+    if len(monitors) > 1:
+        title = (f"Attempt {last} of {len(monitors)}, last 10 steps per rank (every attempt: timeline.json in "
+                 "Perfetto); hatched = waiting for other ranks")  # fmt: skip
     try:
-        timeline.plot_timeline(events, run_dir / "timeline.png", hosts=hosts, order=order)
+        timeline.plot_timeline(shown, run_dir / "timeline.png", hosts=hosts, order=order, title=title)
         timeline.plot_step_heatmap(events, run_dir / "step_times.png", hosts=hosts, order=order)
     except ImportError as e:
         log.info("no timeline pictures: %s", e)
