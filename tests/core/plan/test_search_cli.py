@@ -73,10 +73,15 @@ def test_cli_table_and_emitted_config(tmp_path, capsys: pytest.CaptureFixture[st
     strategy = config["trainer"]["strategy"]
     assert strategy["class_path"] == "megascale.lightning.MegaScaleStrategy"
     assert strategy["init_args"]["pp"] == 2
-    assert config["model"]["config"]["d_model"] == 4096 and config["data"]["init_args"]["train"]["seq_len"] == 4096
+    assert (
+        config["model"]["config"]["d_model"] == 4096
+        and config["data"]["init_args"]["train"]["seq_len"] == 4096
+    )
     args = strategy["init_args"]
     dp = 16 // (args["tp"] * args["pp"])
-    per_rank = config["data"]["init_args"]["train"]["batch_size"] * config["trainer"].get("accumulate_grad_batches", 1)
+    per_rank = config["data"]["init_args"]["train"]["batch_size"] * config["trainer"].get(
+        "accumulate_grad_batches", 1
+    )
     assert per_rank * dp == 64
 
 
