@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -139,3 +140,32 @@ def test_tokenizer_trains_a_bpe_that_a_source_reads(tmp_path, capsys):
     )
     assert main(["tokenizer", "--output", str(tmp_path / "small"), "--vocab-size", "10"]) == 2
     assert "at least 257" in capsys.readouterr().err
+
+
+def test_inspect_names_the_keys_when_no_record_has_the_text_field(tmp_path, capsys):
+    path = tmp_path / "docs.jsonl"
+    path.write_text('{"id": 1, "content": "hello"}\n{"id": 2, "content": "world"}\n')
+    assert main(["inspect", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "none of the 2 records read has a text field 'text'" in err
+    assert "first record has the keys ['content', 'id']" in err and "--text-key NAME" in err
+    assert main(["inspect", str(path), "--text-key", "content"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["documents"] == 2 and report["exact"] is True
+    path.write_text('{"id": 1, "content": "hello"}\n{"id": 2, "text": "world"}\n')  # one record lacks it
+    assert main(["inspect", str(path)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["documents"] == 1 and report["skipped_records"] == 1
+
+
+def test_inspect_after_a_corrupt_file_is_not_exact(tmp_path, capsys):
+    from tests.data._shards import write_jsonl_files
+
+    write_jsonl_files(str(tmp_path), 2, 2000, zstd=True)
+    path = tmp_path / "part-000001.jsonl.zst"
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])  # truncated
+    with pytest.warns(RuntimeWarning, match="truncated"):
+        assert main(["inspect", str(tmp_path / "part-{000000..000001}.jsonl.zst")]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["exact"] is False and report["corrupt_units"] == 1
+    assert 2000 <= report["documents"] < 4000  # what was read before the damage

@@ -76,6 +76,7 @@ def test_inspect_counts_documents_bytes_and_tokens(tmp_path, capsys):
     assert report == {
         "format": "parquet", "files": 2, "units": 6, "documents": 30, "text_bytes": text_bytes,
         "tokens_estimate": text_bytes, "tokens_per_byte": 1.0, "exact": True,  # bytes tokenizer: 1 per byte
+        "corrupt_units": 0, "skipped_records": 0,
     }  # fmt: skip
     jsonl, _ = write_jsonl_files(str(tmp_path / "j"), 4, 10, doc_chars=50)
     assert main(["inspect", jsonl, "--sample-units", "1"]) == 0

@@ -57,6 +57,8 @@ def test_a_fault_is_detected_and_the_restarted_run_ends_bitwise_equal(fault, uni
     assert (first["fault"]["kind"], first["fault"]["rank"]) == (kind, rank), first
     assert first["fault"]["latency"] <= bound, f"detected after {first['fault']['latency']:.2f} s > {bound} s"
     assert second["fault"] is None
+    empty = [str(p) for p in (tmp_path / "run").rglob("*") if p.is_file() and p.stat().st_size == 0]
+    assert not empty, f"the launcher left empty files: {empty}"  # stacks are kept only when a hang wrote them
     if kind == "hung":  # every rank's stacks were taken before the kill; the frozen rank is named
         stacks = first["fault"]["stacks"]
         assert list(stacks["suspects"]) == [str(rank)], stacks

@@ -69,7 +69,7 @@ def test_the_hf_continue_example_trains_a_checkpoint_split_and_exports_what_tran
     assert len(losses) == STEPS and losses[-1] < losses[0] - 0.3, losses
 
     ckpt, out = tmp_path / "ckpt" / "last.ckpt", tmp_path / "export"
-    main(["convert", "--to-hf", str(ckpt), str(out)])
+    assert main(["convert", "--to-hf", str(ckpt), str(out)]) == 0
     hf = AutoModelForCausalLM.from_pretrained(out).eval()
     assert type(hf).__name__ == "LlamaForCausalLM"
     convert_to_torch(ckpt, tmp_path / "model.pt")

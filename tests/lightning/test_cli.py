@@ -167,3 +167,22 @@ def test_shipped_configs_are_listed_located_and_packaged(capsys):
         assert printed["trainer"]["callbacks"][0]["class_path"] == "megascale.lightning.SpeedMonitor"
     project = tomllib.loads((ROOT / "packages/megascale-lightning/pyproject.toml").read_text())["project"]
     assert project["scripts"]["megascale"] == "megascale.lightning.cli:main"
+
+
+def test_help_lists_every_subcommand_and_each_shows_examples(capsys, monkeypatch):
+    from megascale.lightning.cli import SUBCOMMANDS
+
+    monkeypatch.setattr(sys, "argv", ["megascale"])  # main(args) runs here: hide pytest's arguments
+    assert main(["--help"]) == 0
+    overview = capsys.readouterr().out
+    for name in ("fit", "validate", "test", "predict", "plan", "convert", "configs"):
+        line = next((row for row in overview.splitlines() if row.split()[:1] == [name]), None)
+        assert line and len(line.split()) > 3, f"`megascale --help` gives {name} no line of its own"
+    assert set(SUBCOMMANDS) == {"fit", "validate", "test", "predict", "plan", "convert", "configs"}
+    for name in SUBCOMMANDS:
+        with pytest.raises(SystemExit) as exit_info:
+            main([name, "--help"])
+        assert exit_info.value.code in (0, None)
+        text = capsys.readouterr().out
+        examples = text[text.index("examples:") :] if "examples:" in text else ""
+        assert f"megascale {name}" in examples, f"`megascale {name} --help` shows no example:\n{text[-800:]}"

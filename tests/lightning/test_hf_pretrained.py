@@ -75,7 +75,7 @@ def test_tp2_x_pp2_continues_from_the_checkpoint_as_one_process_does_and_exports
     assert 1e-4 < max(moved) <= 0.01, moved
 
     out = tmp_path / "export"
-    main(["convert", "--to-hf", str(ckpt), str(out)])
+    assert main(["convert", "--to-hf", str(ckpt), str(out)]) == 0
     hf = AutoModelForCausalLM.from_pretrained(out).eval()
     assert type(hf).__name__ == "LlamaForCausalLM"
     convert_to_torch(ckpt, tmp_path / "model.pt")

@@ -74,7 +74,11 @@ def test_sharded_checkpoints_both_ways(tmp_path):
         assert torch.equal(reloaded(x).logits, hf(x).logits)
     # a smaller export into the same directory leaves no stale shard behind
     save_hf(model, None, tmp_path / "out", "qwen3")
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+    ]
 
 
 def test_tensors_and_slices_are_read_lazily(tmp_path):

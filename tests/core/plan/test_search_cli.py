@@ -73,10 +73,15 @@ def test_cli_table_and_emitted_config(tmp_path, capsys: pytest.CaptureFixture[st
     strategy = config["trainer"]["strategy"]
     assert strategy["class_path"] == "megascale.lightning.MegaScaleStrategy"
     assert strategy["init_args"]["pp"] == 2
-    assert config["model"]["config"]["d_model"] == 4096 and config["data"]["init_args"]["seq_len"] == 4096
+    assert (
+        config["model"]["config"]["d_model"] == 4096
+        and config["data"]["init_args"]["train"]["seq_len"] == 4096
+    )
     args = strategy["init_args"]
     dp = 16 // (args["tp"] * args["pp"])
-    per_rank = config["data"]["init_args"]["batch_size"] * config["trainer"].get("accumulate_grad_batches", 1)
+    per_rank = config["data"]["init_args"]["train"]["batch_size"] * config["trainer"].get(
+        "accumulate_grad_batches", 1
+    )
     assert per_rank * dp == 64
 
 
@@ -87,10 +92,16 @@ def test_cli_reads_a_model_file_and_refuses_bad_input(tmp_path, capsys: pytest.C
     )
     assert main(["--model", str(path), "--gpus", "8", "--global-batch", "16", "--top", "1"]) == 0
     assert "256" not in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        main(["--model", "no-such-preset", "--gpus", "8", "--global-batch", "16"])
-    with pytest.raises(SystemExit):
-        main(["--hidden", "256", "--gpus", "8", "--global-batch", "16"])  # an incomplete shape
+    capsys.readouterr()
+    assert main(["--model", "no-such-preset", "--gpus", "8", "--global-batch", "16"]) == 2
+    assert main(["--hidden", "256", "--gpus", "8", "--global-batch", "16"]) == 2  # an incomplete shape
+    assert main(["--model", "llama-3-8b", "--gpus", "8", "--global-batch", "16"]) == 2
+    assert main(["--model", "missing/config.json", "--gpus", "8", "--global-batch", "16"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("megascale plan: error: --model 'no-such-preset' is neither a preset nor a file")
+    assert err[2] == "megascale plan: error: the shape needs all of --hidden, --layers, --heads and --vocab"
+    assert "did you mean 'llama3-8b'?" in err[4]
+    assert err[6] == "megascale plan: error: --model missing/config.json: no such file"
 
 
 def test_calibration_measures_this_machine_and_plans_cpu_ranks() -> None:
@@ -108,3 +119,25 @@ def test_calibration_measures_this_machine_and_plans_cpu_ranks() -> None:
                         global_batch=8, precision="32-true")  # fmt: skip
     ranked = search(workload, cluster)
     assert ranked[0].fits and ranked[0].step.step_time > 0
+
+
+def test_refusals_name_the_real_cause(capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["--model", "llama3-8b", "--global-batch", "64", "--top", "1"]
+    assert main([*base, "--gpus", "16", "--tp", "8", "--pp", "4", "--dp", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "tp × pp × dp = 8 × 4 × 1 = 32 GPUs, but --gpus is 16" in err and "global batch" not in err
+    assert main([*base, "--gpus", "16", "--dp", "3"]) == 2
+    assert "dp=3 = 3 does not divide the 16 GPUs" in capsys.readouterr().err
+    # states dominate and ZeRO would shard them: say so, not "lower the global batch"
+    assert main(["--model", "llama2-7b", "--gpus", "8", "--global-batch", "64", "--tp", "1", "--pp", "1",
+                 "--zero-stage", "0", "--top", "1"]) == 1  # fmt: skip
+    err = capsys.readouterr().err
+    assert "the model states dominate: a higher ZeRO stage (--zero-stage 3" in err
+    assert "a smaller global batch would not help" in err
+
+
+def test_help_states_the_default_gpu_and_shows_examples(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "default: h100" in text and "examples: megascale plan --model" in text and "--cpu-trial" in text

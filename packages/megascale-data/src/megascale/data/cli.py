@@ -21,6 +21,7 @@ from typing import Any
 from fsspec.core import url_to_fs
 from tqdm import tqdm
 
+from megascale.data.cli_errors import UserError, report_user_errors
 from megascale.data.writer import ShardWriter
 
 __all__ = ["main"]
@@ -29,8 +30,8 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb"
 _UNITS |= {"g": 10**9, "gb": 10**9, "gib": 2**30}
 
 
-class UsageError(Exception):
-    """A problem with the command line or the inputs (exit code 2)."""
+class UsageError(UserError):
+    """A problem with the command line or the inputs (exit code 2, one line; --traceback: the trace)."""
 
 
 def parse_size(text: str) -> int:
@@ -141,7 +142,9 @@ def shard(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The command-line parser of `megascale-data`."""
     parser = argparse.ArgumentParser(prog="megascale-data", description="megascale data tools.")
-    commands = parser.add_subparsers(dest="command", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--traceback", action="store_true", help="show the full trace of an error")
+    commands = _Subcommands(parser.add_subparsers(dest="command", required=True), common)
     p = commands.add_parser(
         "shard",
         help="write text files as WebDataset tar shards",
@@ -236,6 +239,17 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--overwrite", action="store_true", help="replace existing PREFIX-*.tar shards")
     c.set_defaults(func=convert)
     return parser
+
+
+class _Subcommands:
+    """``add_parser`` with the options every subcommand shares (``--traceback``)."""
+
+    def __init__(self, action: Any, common: argparse.ArgumentParser) -> None:
+        self.action, self.common = action, common
+
+    def add_parser(self, name: str, **kwargs: Any) -> argparse.ArgumentParser:
+        parser: argparse.ArgumentParser = self.action.add_parser(name, parents=[self.common], **kwargs)
+        return parser
 
 
 def _source_arguments(p: argparse.ArgumentParser) -> None:
@@ -338,11 +352,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if getattr(args, "max_docs", 1) < 1 or (getattr(args, "max_bytes", 1) or 1) < 1:
         parser.error("--max-docs and --max-bytes must be positive")
-    try:
-        return int(args.func(args))
-    except UsageError as e:
-        print(f"{parser.prog} {args.command}: error: {e}", file=sys.stderr)
-        return 2
+    prog = f"{parser.prog} {args.command}"
+    return report_user_errors(prog, lambda: args.func(args), traceback=args.traceback)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ from megascale.ft._procs import descendants, kill_tree, pid_alive
 from megascale.ft.executor import ENV
 from megascale.ft.heartbeat import exchange
 from megascale.ft.launcher import Rendezvous, _torchrun, run_self_check
-from megascale.ft.stacks import STACKS_ENV, collect_stacks
+from megascale.ft.stacks import STACKS_ENV, collect_stacks, prune_empty
 
 __all__ = ["AgentConfig", "NodeAgent"]
 
@@ -154,6 +154,7 @@ class NodeAgent:
             kill_tree(self.process.pid, extra=self.known)
             self.process.wait()
             self.process = None
+            prune_empty(self._stacks_dir(self.attempt))
             if self.state == "running":
                 self.state = "stopped"
 

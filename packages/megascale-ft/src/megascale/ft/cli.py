@@ -24,6 +24,7 @@ import threading
 from pathlib import Path
 
 from megascale.ft.agent import AgentConfig, NodeAgent
+from megascale.ft.cli_errors import report_user_errors
 from megascale.ft.config import DriverAddress, Timeouts, TLSConfig
 from megascale.ft.driver import ClusterConfig, ClusterDriver
 from megascale.ft.launcher import LaunchConfig, Launcher
@@ -53,9 +54,12 @@ def _driver_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-self-check", action="store_true", help="skip the self-checks before attempts")
     parser.add_argument("--self-check-timeout", type=float, default=d.self_check_timeout)
     parser.add_argument("--storage", help="checkpoint storage URL the self-check probes")
-    parser.add_argument("--run-dir", default=d.run_dir, help="report, self-check reports, timeline")
+    parser.add_argument("--run-dir", default=d.run_dir,
+                        help="where report.json, self-check reports, timeline.json/.png and a hang's stacks go "
+                        "(default: ./%(default)s)")  # fmt: skip
     parser.add_argument("--straggler-threshold", type=float, default=d.straggler_threshold)
     parser.add_argument("-v", "--verbose", action="store_true")
+    parser.add_argument("--traceback", action="store_true", help="show the full trace of an error")
 
 
 def _cluster_options(parser: argparse.ArgumentParser) -> None:
@@ -173,11 +177,17 @@ def _run_node(args: argparse.Namespace, command: list[str], config: ClusterConfi
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run ``megascale-ft``; the exit code (2: a usage error, printed in one line; ``--traceback``: its
+    trace)."""
     args = _parser().parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO, format="[megascale-ft %(asctime)s] %(message)s",
         datefmt="%H:%M:%S",
     )  # fmt: skip
+    return report_user_errors(f"megascale-ft {args.command}", lambda: _run(args), traceback=args.traceback)
+
+
+def _run(args: argparse.Namespace) -> int:
     command = (
         []
         if args.command == "driver"
@@ -188,21 +198,19 @@ def main(argv: list[str] | None = None) -> int:
     token = os.environ.get("MEGASCALE_FT_TOKEN")
     if args.token_file is not None:
         token = args.token_file.read_text().strip()
-    try:
-        config = _config(args, token)
-        if args.command == "launch" and not command:
-            raise ValueError("no training command: give it after '--', e.g. -- train.py --steps 100")
-        if not isinstance(config, ClusterConfig):
-            launcher = Launcher(command, config)
-    except ValueError as e:
-        print(f"megascale-ft: error: {e}", file=sys.stderr)
-        return 2
+    config = _config(args, token)
+    if args.command == "launch" and not command:
+        raise ValueError("no training command: give it after '--', e.g. -- train.py --steps 100")
     if args.command == "driver":
         assert isinstance(config, ClusterConfig)
         return 0 if ClusterDriver(config).run().ok else 1
     if isinstance(config, ClusterConfig):
         return _run_node(args, command, config)
-    return 0 if launcher.run().ok else 1
+    launcher = Launcher(command, config)
+    report = launcher.run()
+    if launcher.usage_error is not None:
+        return 2
+    return 0 if report.ok else 1
 
 
 if __name__ == "__main__":

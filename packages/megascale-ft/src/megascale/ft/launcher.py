@@ -17,11 +17,13 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import secrets
 import shlex
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -32,9 +34,9 @@ from megascale.ft.config import DriverAddress, Timeouts, TLSConfig
 from megascale.ft.executor import ENV
 from megascale.ft.heartbeat import HeartbeatServer, require_tls_off_loopback
 from megascale.ft.monitor import Fault, JobMonitor
-from megascale.ft.stacks import STACKS_ENV
+from megascale.ft.stacks import STACKS_ENV, prune_empty
 
-__all__ = ["LaunchConfig", "Launcher", "Rendezvous", "RunReport", "run_self_check"]
+__all__ = ["LaunchConfig", "Launcher", "Rendezvous", "RunReport", "check_command", "run_self_check"]
 
 log = logging.getLogger("megascale.ft")
 
@@ -103,7 +105,7 @@ class RunReport:
             what = "ok" if fault is None else f"{fault['kind']} of rank {fault['rank']}: {fault['message']}"
             if fault is not None and fault.get("node") is not None:
                 what = f"{fault['kind']} on node {fault['node']} (rank {fault['rank']}): {fault['message']}"
-            latency = "" if fault is None else f", noticed after {fault['latency']:.2f} s"
+            latency = "" if fault is None else f", noticed {fault['latency']:.2f} s after its last heartbeat"
             nodes = f" on nodes {', '.join(a['nodes'])}" if a.get("nodes") else ""
             lines.append(f"  attempt {a['attempt']}{nodes}: {what}{latency} ({a['seconds']:.1f} s)")
             if fault is not None and fault.get("stacks"):
@@ -151,6 +153,51 @@ def _torchrun(nproc: int, command: list[str], rendezvous: Rendezvous | None = No
         sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", *where, "--max-restarts=0",
         f"--monitor-interval={TORCHRUN_MONITOR_S}", *command,
     ]  # fmt: skip
+
+
+def check_command(command: list[str]) -> None:
+    """Refuse, before any attempt, a training command whose script does not exist (retrying cannot help)."""
+    if command and Path(command[0]).name.startswith("python"):
+        command = command[1:]
+    if not command:
+        raise ValueError("no training command: give it after '--', e.g. -- train.py --steps 100")
+    if command[0] in ("-m", "--module") or command[0].startswith("-"):
+        return  # a module (python -m NAME): whether it imports is the first attempt's to say
+    if not Path(command[0]).is_file():
+        raise FileNotFoundError(
+            f"the training script {command[0]} does not exist (relative to {os.getcwd()}): not starting a run; "
+            "give its path after '--', or '-m package.module' for a module"
+        )
+
+
+# what torchrun's agent logs when a rank exits ("failed (exitcode: 2) local_rank: 0 ...") and what argparse
+# or python print when they refuse a command line ("train.py: error: ...", "can't open file ...")
+_EXIT_CODE = re.compile(rb"failed \(exitcode: (-?\d+)\)")
+_USAGE_LINE = re.compile(rb"^(?:\S+: error: .+|.*can't open file .+)$")
+USAGE_EXIT_CODE = 2  # argparse's (and python's for a missing script): the command line is wrong
+
+
+class _StderrTee(threading.Thread):
+    """Copies torchrun's stderr to ours line by line, noting the ranks' exit codes and usage errors."""
+
+    def __init__(self, stream: Any) -> None:
+        super().__init__(name="megascale-ft-stderr", daemon=True)
+        self.stream = stream
+        self.exit_codes: list[int] = []
+        self.usage: list[str] = []
+
+    def run(self) -> None:
+        out = getattr(sys.stderr, "buffer", None)
+        for line in iter(self.stream.readline, b""):
+            if out is not None:
+                out.write(line)
+                out.flush()
+            else:
+                sys.stderr.write(line.decode(errors="replace"))
+            if m := _EXIT_CODE.search(line):
+                self.exit_codes.append(int(m.group(1)))
+            elif _USAGE_LINE.match(line.strip()) and len(self.usage) < 4:
+                self.usage.append(line.strip().decode(errors="replace"))
 
 
 def run_self_check(
@@ -202,6 +249,9 @@ class Launcher:
         self.token = self.config.token or secrets.token_hex(16)
         self.run_dir = Path(self.config.run_dir)
         self.monitor: JobMonitor | None = None
+        #: why the first attempt's command line was refused (exit code 2 before any heartbeat), if it was
+        self.usage_error: str | None = None
+        check_command(self.command)
 
     # --- one attempt --------------------------------------------------------------------------------
     def _env(self, server: HeartbeatServer, attempt: int) -> dict[str, str]:
@@ -245,7 +295,9 @@ class Launcher:
         command = _torchrun(self.config.nproc_per_node, self.command)
         log.info("attempt %d: %s", attempt, shlex.join(command))
         process = subprocess.Popen(command, env=self._env(server, attempt), stdin=subprocess.DEVNULL,
-                                   start_new_session=True)  # fmt: skip
+                                   stderr=subprocess.PIPE, start_new_session=True)  # fmt: skip
+        tee = _StderrTee(process.stderr)
+        tee.start()
         flagged: set[int] = set()
         next_straggler_check = time.monotonic() + STRAGGLER_CHECK_S
         try:
@@ -269,6 +321,9 @@ class Launcher:
                         return None
                     time.sleep(POLL_S)
                     fault = monitor.check()
+                    tee.join(timeout=2.0)  # torchrun has exited: its last lines (the exit codes) are in
+                    if fault is None and attempt == 0 and not monitor.last_steps():
+                        self.usage_error = _usage_error(tee)
                     if fault is None:
                         seen = max((r for r in monitor.last_steps().values()), default=-1)
                         message = (
@@ -281,6 +336,8 @@ class Launcher:
             pids = [b.pid for b in server.beats()]
             kill_tree(process.pid, extra=pids)
             process.wait()
+            tee.join(timeout=5.0)
+            prune_empty(self._stacks_dir(attempt))
 
     # --- the run --------------------------------------------------------------------------------------
     def run(self) -> RunReport:
@@ -318,6 +375,9 @@ class Launcher:
                 if fault is None:
                     report.ok = True
                     break
+                if self.usage_error is not None:
+                    report.reason = self.usage_error
+                    break
                 log.error("attempt %d failed: %s", attempt, fault)
                 reason = failed_the_same_way(signatures, fault, self.config.repeat_limit)
                 if reason is not None:
@@ -328,6 +388,16 @@ class Launcher:
         write_report(self.run_dir, report, monitors, self.config.straggler_threshold)
         print(report.summary(), file=sys.stderr, flush=True)
         return report
+
+
+def _usage_error(tee: _StderrTee) -> str | None:
+    """Why not to retry a first attempt that exited before any heartbeat: a rank exited with code 2 (its
+    own argument parsing, or python not finding the script), which no restart can change; else None."""
+    if USAGE_EXIT_CODE not in tee.exit_codes:
+        return None
+    said = f": {tee.usage[0]}" if tee.usage else ""
+    return (f"not restarting: the training command exited with code {USAGE_EXIT_CODE} before its first step, so "
+            f"its command line is wrong{said} (fix the arguments after '--')")  # fmt: skip
 
 
 def flag_stragglers(monitor: JobMonitor, flagged: set[int], threshold: float) -> None:
@@ -381,8 +451,16 @@ def _write_timeline(run_dir: Path, monitors: list[JobMonitor], threshold: float)
     timeline.write_chrome_trace(
         events, run_dir / "timeline.json", hosts=hosts, stragglers=flagged, order=order
     )
+    # the picture: the last attempt that reported steps (a restart's gap would squeeze every step into a
+    # sliver); the Chrome trace above holds every attempt
+    last = next((i for i in range(len(monitors) - 1, -1, -1) if any(monitors[i].timings().values())), 0)
+    shown = {rank: evs for rank, evs in monitors[last].timings().items() if evs}
+    title = None
+    if len(monitors) > 1:
+        title = (f"Attempt {last} of {len(monitors)}, last 10 steps per rank (every attempt: timeline.json in "
+                 "Perfetto); hatched = waiting for other ranks")  # fmt: skip
     try:
-        timeline.plot_timeline(events, run_dir / "timeline.png", hosts=hosts, order=order)
+        timeline.plot_timeline(shown, run_dir / "timeline.png", hosts=hosts, order=order, title=title)
         timeline.plot_step_heatmap(events, run_dir / "step_times.png", hosts=hosts, order=order)
     except ImportError as e:
         log.info("no timeline pictures: %s", e)

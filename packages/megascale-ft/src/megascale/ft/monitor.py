@@ -56,7 +56,7 @@ class Fault:
     def __str__(self) -> str:
         where = f"host {self.host}" if self.node is None else f"node {self.node}, host {self.host}"
         who = f"the job ({where})" if self.rank is None else f"rank {self.rank} ({where})"
-        return f"{who}: {self.kind}: {self.message} (noticed after {self.latency:.1f} s)"
+        return f"{who}: {self.kind}: {self.message} (noticed {self.latency:.1f} s after its last heartbeat)"
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "latency": self.latency}

@@ -26,7 +26,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-__all__ = ["STACKS_ENV", "HangReport", "arm_stack_dump", "collect_stacks", "localise", "main_stack"]
+__all__ = [
+    "STACKS_ENV",
+    "HangReport",
+    "arm_stack_dump",
+    "collect_stacks",
+    "localise",
+    "main_stack",
+    "prune_empty",
+]
 
 STACKS_ENV = "MEGASCALE_FT_STACKS"
 _FRAME = re.compile(r'^\s+File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
@@ -73,6 +81,19 @@ def collect_stacks(
         if len(got) == len(pids) or time.monotonic() >= deadline:
             return got
         time.sleep(0.05)
+
+
+def prune_empty(directory: str | os.PathLike[str]) -> None:
+    """Remove the stack files no rank wrote into (every rank opens its file when armed, in case it hangs),
+    then ``directory`` and its parent if nothing is left: an attempt without a hang leaves no stacks."""
+    root = Path(directory)
+    for path in root.glob("rank-*.txt"):
+        with contextlib.suppress(OSError):
+            if path.stat().st_size == 0:
+                path.unlink()
+    for folder in (root, root.parent):
+        with contextlib.suppress(OSError):  # not empty, or gone
+            folder.rmdir()
 
 
 def _is_main(frames: list[str]) -> bool:

@@ -7,8 +7,12 @@
 #     megascale configs                                     # shipped configs and their paths
 #     megascale convert CHECKPOINT_DIR model.pt             # a checkpoint → one plain file for inference
 #     megascale convert --from-hf HF_DIR model.pt           # a Hugging Face model → that file
-#     megascale convert --to-hf model.pt HF_DIR --model-type qwen2   # that file (or a checkpoint) → Hugging Face
+#     megascale convert --to-hf checkpoints/run/ HF_DIR     # the newest checkpoint (or that file) → Hugging Face
 #     megascale plan --model gpt3-175b --gpus 1024 --gpu a100 --global-batch 1536   # rank layouts (core's planner)
+#
+# `megascale --help` lists every subcommand (LightningCLI's four and ours) with one line each; every
+# `megascale SUB --help` ends with examples. A user's mistake prints one line on stderr and exits with 2
+# (`--traceback` or MEGASCALE_TRACEBACK=1: the full trace; megascale.core.cli_errors says which errors count).
 #
 # Choices where the brief left room:
 # - `--config NAME` falls back to the shipped config of that name when no file NAME exists, so the examples
@@ -24,13 +28,26 @@
 
 from __future__ import annotations
 
+import argparse
+import difflib
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
+from jsonargparse import DefaultHelpFormatter
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 
+from megascale.core.cli_errors import (
+    TRACEBACK_ENV,
+    USER_ERRORS,
+    UserError,
+    pop_traceback_flag,
+    report_user_errors,
+)
+from megascale.core.plan.cli import EXAMPLES as PLAN_EXAMPLES
 from megascale.lightning import configs
 from megascale.lightning.data import TokenDataModule
 from megascale.lightning.module import GPTModule
@@ -44,6 +61,77 @@ TRAINER_DEFAULTS: dict[str, Any] = {
     "val_check_interval": 1000,
     "limit_val_batches": 50,
 }
+
+
+LIGHTNING_SUBCOMMANDS = ("fit", "validate", "test", "predict")
+# every subcommand, one line each: what `megascale --help` prints
+SUBCOMMANDS: dict[str, str] = {
+    "fit": "train a model (GPTModule or your own) with a YAML config and/or --section.key value overrides",
+    "validate": "run the validation loop of a config (e.g. on a checkpoint: --ckpt_path)",
+    "test": "run the test loop of a config",
+    "predict": "run the predict loop of a config",
+    "plan": "rank tp × pp × dp × ZeRO layouts of a model on a cluster; --emit-config writes a config to fit",
+    "convert": "a checkpoint → one model file; Hugging Face in (--from-hf) and out (--to-hf)",
+    "configs": "list the example configs shipped with megascale (megascale fit --config NAME runs one)",
+}
+EXAMPLES: dict[str, str] = {
+    "fit": """\
+  megascale fit --config tiny_cpu.yaml                        # a shipped config, by name (megascale configs)
+  megascale fit --config my.yaml --trainer.max_steps 50       # a file of yours, one value overridden
+  megascale fit --config tp2_dp2_cpu.yaml --print_config      # the whole resolved config, every default
+  megascale fit --config my.yaml --ckpt_path last             # resume from the newest checkpoint""",
+    "validate": """\
+  megascale validate --config my.yaml --ckpt_path checkpoints/last.ckpt""",
+    "test": """\
+  megascale test --config my.yaml --ckpt_path checkpoints/last.ckpt""",
+    "predict": """\
+  megascale predict --config my.yaml --ckpt_path checkpoints/last.ckpt""",
+    "plan": PLAN_EXAMPLES,
+    "convert": """\
+  megascale convert checkpoints/run/ model.pt              # the newest checkpoint → one file (load_gpt reads it)
+  megascale convert --from-hf Llama-3.2-1B/ model.pt       # a Hugging Face model → that file
+  megascale convert --to-hf checkpoints/run/ hf_out/       # the newest checkpoint (or that file) → Hugging Face
+  megascale convert --to-hf model.pt hf_out/ --model-type qwen2 --eos-token-id 151643   # family, ids by hand""",
+    "configs": """\
+  megascale configs                                           # names and paths
+  megascale fit --config tiny_cpu.yaml                        # run one""",
+}
+
+
+class _Formatter(DefaultHelpFormatter):
+    """jsonargparse's help, with the description and epilog (the examples) printed as written."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return "".join(indent + line for line in text.splitlines(keepends=True))
+
+
+def _subcommand_help(name: str) -> dict[str, Any]:
+    return {"epilog": "examples:\n" + EXAMPLES[name] + "\n"}
+
+
+def _overview() -> str:
+    rows = "\n".join(f"  {name:<10} {line}" for name, line in SUBCOMMANDS.items())
+    return (
+        "usage: megascale SUBCOMMAND [options]     (megascale SUBCOMMAND --help: its options and examples)\n\n"
+        "Lightning-native 3D-parallel transformer training.\n\n"
+        f"subcommands:\n{rows}\n\n"
+        "examples:\n"
+        + EXAMPLES["fit"]
+        + "\n"
+        + EXAMPLES["plan"].splitlines()[0]
+        + "\n"
+        + EXAMPLES["convert"].splitlines()[2]
+        + "\n\n"
+        f"A usage error prints one line; --traceback (or {TRACEBACK_ENV}=1) shows the full trace.\n"
+        "Docs: docs/first-hour.md (from pip install to a fine-tuned, exported model)."
+    )
+
+
+def _did_you_mean(value: str, choices: Any, suffix: str = "") -> str:
+    """`` (did you mean 'X'?)`` for the choice closest to ``value`` (compared without ``suffix``), or ""."""
+    stems = {c.removesuffix(suffix): c for c in choices}
+    close = difflib.get_close_matches(value.removesuffix(suffix), list(stems), n=1, cutoff=0.6)
+    return f" (did you mean {stems[close[0]]!r}?)" if close else ""
 
 
 class MegaScaleCLI(LightningCLI):
@@ -65,88 +153,46 @@ def _resolve_configs(argv: list[str]) -> list[str]:
             j, value, prefix = i, arg[len("--config=") :], "--config="
         else:
             continue
-        if not Path(value).exists() and value in configs.names():
-            out[j] = prefix + str(configs.path(value))
+        if Path(value).exists() or value.lstrip().startswith("{") or "\n" in value:
+            continue  # a file, or the config itself inline (jsonargparse reads both)
+        shipped = value if value.endswith(".yaml") else value + ".yaml"
+        if shipped not in configs.names():
+            raise FileNotFoundError(
+                f"--config {value}: no such file, nor a shipped config of that name"
+                f"{_did_you_mean(shipped, configs.names(), '.yaml')}; `megascale configs` lists the shipped ones"
+            )
+        out[j] = prefix + str(configs.path(shipped))
     return out
 
 
-def _print_configs() -> None:
+def _configs(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(
+        prog="megascale configs",
+        description=SUBCOMMANDS["configs"],
+        epilog="examples:\n" + EXAMPLES["configs"],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.parse_args(argv)
     print("example configs shipped with megascale-lightning (use: megascale fit --config NAME):")
     for name in configs.names():
         print(f"  {name:<22} {configs.path(name)}")
 
 
 def _convert(argv: list[str]) -> None:
-    import argparse
+    from megascale.lightning.convert_cli import main as convert
 
-    from megascale.core.hf import MODEL_TYPES
-    from megascale.lightning.checkpoint_io import convert_from_hf, convert_to_hf, convert_to_torch
-
-    parser = argparse.ArgumentParser(
-        prog="megascale convert",
-        description="Turn a MegaScaleStrategy checkpoint directory into one plain file for inference: "
-        "{'config': GPTConfig dict, 'state_dict': weights}, loadable with torch.load(weights_only=True) "
-        "and megascale.lightning.checkpoint_io.load_gpt. --from-hf writes that file from a Hugging Face model "
-        "directory; --to-hf writes a Hugging Face model directory from that file or a checkpoint "
-        "(both need pip install 'megascale-core[hf]').",
-    )
-    direction = parser.add_mutually_exclusive_group()
-    direction.add_argument("--from-hf", action="store_true", help="SOURCE is a Hugging Face model directory")
-    direction.add_argument(
-        "--to-hf", action="store_true", help="OUTPUT is a Hugging Face model directory to write"
-    )
-    parser.add_argument("source", help="checkpoint directory (e.g. checkpoints/run/last.ckpt), or see above")
-    parser.add_argument("output", help="file to write, e.g. model.pt; with --to-hf a directory")
-    parser.add_argument(
-        "--model-type", choices=MODEL_TYPES, default=None, help="with --to-hf: the family (default llama)"
-    )
-    parser.add_argument(
-        "--max-shard-size",
-        default=None,
-        help="with --to-hf: bytes per safetensors file, e.g. 2GB (default 5GB)",
-    )
-    ns = parser.parse_args(argv)
-    if not ns.to_hf and (ns.model_type is not None or ns.max_shard_size is not None):
-        parser.error("--model-type and --max-shard-size go with --to-hf")
-    if ns.to_hf:
-        files = convert_to_hf(
-            ns.source,
-            ns.output,
-            model_type=ns.model_type or "llama",
-            max_shard_size=ns.max_shard_size or "5GB",
-        )
-        size = sum(f.stat().st_size for f in files)
-        print(f"wrote {ns.output}: {len(files)} files ({size / 2**20:.1f} MiB)")
-        return
-    out = (convert_from_hf if ns.from_hf else convert_to_torch)(ns.source, ns.output)
-    print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB)")
+    convert(argv, EXAMPLES["convert"])
 
 
-def main(args: ArgsType = None) -> None:
-    """Run the CLI on ``args`` (default: the command line).
-
-    ``megascale configs`` lists the shipped configs; ``megascale convert CKPT OUT`` writes a checkpoint's
-    model as one plain file (``--from-hf``/``--to-hf``: from and to Hugging Face); ``megascale plan`` ranks
-    parallel layouts by predicted memory and speed (``megascale.core.plan.cli``); anything else goes to
-    LightningCLI (subcommands fit, validate, test, predict).
-    """
-    argv = sys.argv[1:] if args is None else args
-    if isinstance(argv, list) and argv[:1] == ["configs"]:
-        _print_configs()
-        return
-    if isinstance(argv, list) and argv[:1] == ["convert"]:
-        _convert([str(a) for a in argv[1:]])
-        return
-    if isinstance(argv, list) and argv[:1] == ["plan"]:
-        from megascale.core.plan.cli import main as plan
-
-        raise SystemExit(plan([str(a) for a in argv[1:]]))
-    if isinstance(argv, list):
-        resolved = _resolve_configs(argv)
-        if args is None:
+def _lightning(args: ArgsType, from_command_line: bool) -> None:
+    """fit / validate / test / predict: LightningCLI over GPTModule and any data module."""
+    if isinstance(args, list):
+        resolved = _resolve_configs(args)
+        if from_command_line:
             # Rewrite the command line rather than pass args=: Lightning's DDP launcher re-runs sys.argv in
             # its child processes, and LightningCLI warns when args= and a command line are both present.
             sys.argv[1:] = resolved
+            args = None
         else:
             args = resolved
     MegaScaleCLI(
@@ -157,9 +203,62 @@ def main(args: ArgsType = None) -> None:
         seed_everything_default=0,
         trainer_defaults=TRAINER_DEFAULTS,
         auto_configure_optimizers=False,
+        # jsonargparse gives subcommands the main parser's formatter: set it there
+        parser_kwargs={
+            "formatter_class": _Formatter,
+            **{n: _subcommand_help(n) for n in LIGHTNING_SUBCOMMANDS},
+        },
         args=args,
     )
 
 
+def _dispatch(argv: ArgsType, from_command_line: bool) -> int:
+    if isinstance(argv, list) and (not argv or argv[0] in ("-h", "--help")):
+        print(_overview())
+        return 0 if argv else 2
+    command = argv[0] if isinstance(argv, list) else None
+    if command == "configs":
+        _configs([str(a) for a in argv[1:]])  # type: ignore[index]
+        return 0
+    if command == "convert":
+        _convert([str(a) for a in argv[1:]])  # type: ignore[index]
+        return 0
+    if command == "plan":
+        from megascale.core.plan.cli import main as plan
+
+        return plan([str(a) for a in argv[1:]])  # type: ignore[index]
+    if command is not None and command not in LIGHTNING_SUBCOMMANDS and not command.startswith("-"):
+        raise UserError(
+            f"no subcommand {command!r}{_did_you_mean(command, SUBCOMMANDS)}; `megascale --help` lists them all"
+        )
+    _lightning(argv, from_command_line)
+    return 0
+
+
+def main(args: ArgsType = None) -> int:
+    """Run the ``megascale`` command on ``args`` (default: the command line); returns the exit code.
+
+    ``megascale configs`` lists the shipped configs; ``megascale convert CKPT OUT`` writes a checkpoint's
+    model as one plain file (``--from-hf``/``--to-hf``: from and to Hugging Face); ``megascale plan`` ranks
+    parallel layouts by predicted memory and speed (``megascale.core.plan.cli``); fit, validate, test and
+    predict go to LightningCLI. A usage error prints one line and returns 2 (``--traceback`` or
+    ``MEGASCALE_TRACEBACK=1``: the full trace).
+    """
+    from_command_line = args is None
+    argv: ArgsType = sys.argv[1:] if args is None else args
+    traceback = False
+    if isinstance(argv, list):
+        argv, traceback = pop_traceback_flag([str(a) for a in argv])
+        if traceback:  # Lightning's DDP launcher re-runs the command line (without the flag) in its children
+            os.environ[TRACEBACK_ENV] = "1"
+    prog = "megascale"
+    if isinstance(argv, list) and argv and argv[0] in SUBCOMMANDS:
+        prog += f" {argv[0]}"
+    errors = (*USER_ERRORS, MisconfigurationException)
+    return report_user_errors(
+        prog, lambda: _dispatch(argv, from_command_line), traceback=traceback, user_errors=errors
+    )
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

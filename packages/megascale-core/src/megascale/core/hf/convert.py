@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,12 @@ import torch
 from megascale.core.config import GPTConfig
 from megascale.core.hf.config import gpt_config_from_hf, hf_config_from_gpt
 from megascale.core.hf.io import HFCheckpoint, dtype_name, write_config, write_safetensors
+from megascale.core.hf.metadata import (
+    GENERATION_CONFIG_FILE,
+    TOKEN_FIELDS,
+    generation_config,
+    infer_model_type,
+)
 from megascale.core.hf.weights import from_hf_tensors, to_hf_tensors
 from megascale.core.model.gpt import GPT
 
@@ -73,20 +80,27 @@ def save_hf(
     model_or_state_dict: GPT | Mapping[str, torch.Tensor],
     config: GPTConfig | None,
     path: str | Path,
-    model_type: str = "llama",
+    model_type: str | None = None,
     *,
     max_shard_size: int | str = "5GB",
+    token_ids: Mapping[str, Any] | None = None,
+    generation: Mapping[str, Any] | None = None,
 ) -> list[Path]:
-    """Write a Hugging Face model directory (config.json and safetensors) that transformers'
-    ``AutoModelForCausalLM.from_pretrained(path)`` loads as the ``model_type`` model computing what this GPT
-    computes. Tokenizer files are not written: copy them from where the model came from.
+    """Write a Hugging Face model directory (config.json, generation_config.json and safetensors) that
+    transformers' ``AutoModelForCausalLM.from_pretrained(path)`` loads as the ``model_type`` model computing
+    what this GPT computes. Tokenizer files are not written: copy them from where the model came from.
 
     Args:
         model_or_state_dict: a GPT on one process, or its state dict (megascale names).
         config: the GPTConfig; None takes a GPT's own.
         model_type: llama, qwen2, qwen3 or mistral; must express the architecture (``hf_config_from_gpt``).
+            None: the family the architecture implies (``infer_model_type``).
         max_shard_size: bytes per safetensors file (int, or "5GB", "500MB"...); past it the tensors are
             sharded with an index.
+        token_ids: ``bos_token_id``, ``eos_token_id``, ``pad_token_id`` of the tokenizer (``hf_metadata`` of
+            the source). Those not given are written as null, so transformers does not fall back to its
+            class defaults (Llama's eos 2) for a tokenizer that has other ids.
+        generation: the source's generation_config.json (its settings and ids are kept), if any.
 
     Returns:
         The files written.
@@ -98,8 +112,12 @@ def save_hf(
         state = model_or_state_dict
     if config is None:
         raise ValueError("save_hf needs the GPTConfig of a state dict (config=...)")
-    hf_config = hf_config_from_gpt(config, model_type)
+    hf_config = hf_config_from_gpt(config, model_type or infer_model_type(config))
+    token_ids = dict(token_ids or {})
+    hf_config.update({key: token_ids.get(key) for key in TOKEN_FIELDS})
     tensors = to_hf_tensors(state, config)
     hf_config["torch_dtype"] = dtype_name(tensors["model.embed_tokens.weight"].dtype)
     files = write_safetensors(tensors, path, max_shard_size)
-    return [write_config(hf_config, path), *files]
+    generation_file = Path(path) / GENERATION_CONFIG_FILE
+    generation_file.write_text(json.dumps(generation_config(token_ids, generation), indent=2) + "\n")
+    return [write_config(hf_config, path), generation_file, *files]

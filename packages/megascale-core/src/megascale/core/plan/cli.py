@@ -19,6 +19,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from megascale.core.cli_errors import UserError, report_user_errors
 from megascale.core.config import GPTConfig
 from megascale.core.parallel.plan import SCHEDULES
 from megascale.core.plan.cluster import GPUS, ClusterSpec, gpu_spec
@@ -27,7 +28,14 @@ from megascale.core.plan.presets import PRESETS, load_model
 from megascale.core.plan.search import Candidate, Fixed, search
 from megascale.core.plan.shapes import stages_of_rank
 
-__all__ = ["main"]
+__all__ = ["EXAMPLES", "main"]
+
+EXAMPLES = """\
+  megascale plan --model llama3-8b --gpus 16 --global-batch 64 --seq-len 4096     # a preset, default --gpu h100
+  megascale plan --model config.json --gpus 64 --gpu a100 --global-batch 512 --tp 8 --pp 2   # parts fixed
+  megascale plan --hidden 4096 --layers 32 --heads 32 --vocab 32000 --gpus 16 --global-batch 64
+  megascale plan --model llama3-8b --gpus 16 --global-batch 64 --emit-config run.yaml --cpu-trial trial.yaml
+  megascale plan --calibrate                                                  # this machine's figures"""
 
 _GB = 1e9
 
@@ -37,6 +45,8 @@ def _parser() -> argparse.ArgumentParser:
         prog="megascale plan",
         description="Rank tp × pp × dp × ZeRO × micro-batching layouts of a GPT on a cluster by predicted step "
         "time, with their memory per GPU. Fix any part of the layout to search the rest; fix all to predict one.",
+        epilog="examples:\n" + EXAMPLES + "\n",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     m = p.add_argument_group("model")
     m.add_argument("--model", help=f"a preset ({', '.join(sorted(PRESETS))}), a GPTConfig YAML/JSON, a "
@@ -49,7 +59,8 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--vocab", type=int)
     r = p.add_argument_group("run and cluster")
     r.add_argument("--gpus", type=int, help="GPUs (or, with --calibrate, CPU ranks) in all")
-    r.add_argument("--gpu", default="h100", help=f"GPU kind: {', '.join(sorted(GPUS))} (aliases a100, h100)")
+    r.add_argument("--gpu", default="h100",
+                   help=f"GPU kind: {', '.join(sorted(GPUS))} (aliases a100, h100; default: h100)")  # fmt: skip
     r.add_argument("--gpus-per-node", type=int, default=8)
     r.add_argument("--network-gbps", type=float, help="network per node in Gb/s (default: the kind's DGX)")
     r.add_argument("--global-batch", type=int, help="sequences per optimizer step")
@@ -70,28 +81,31 @@ def _parser() -> argparse.ArgumentParser:
     o = p.add_argument_group("output")
     o.add_argument("--top", type=int, default=5, help="layouts to print (default 5)")
     o.add_argument("--json", action="store_true", help="print every prediction of the top layouts as JSON")
+    o.add_argument("--emit-config", type=Path, metavar="OUT.yaml",
+                   help="write a config of the first choice that `megascale fit --config OUT.yaml` runs")  # fmt: skip
+    o.add_argument("--cpu-trial", type=Path, metavar="TRIAL.yaml",
+                   help="write that config shrunk to run on this machine's CPU in a minute (same strategy, tp and "
+                   "pp at most 2, a small model of the same kind)")  # fmt: skip
     o.add_argument(
-        "--emit-config", type=Path, metavar="OUT.yaml", help="write a LightningCLI config for the first"
+        "--max-steps", type=int, default=1000, help="training steps of --emit-config (default 1000)"
     )
+    o.add_argument("--traceback", action="store_true", help="show the full trace of an error")
     o.add_argument("--calibrate", action="store_true",
                    help="measure this machine's matmul rate, memory, gloo all-reduce bandwidth and call latencies; with "
                    "a model, plan CPU ranks with those figures")  # fmt: skip
     return p
 
 
-def _model(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> GPTConfig | None:
+def _model(ns: argparse.Namespace) -> GPTConfig | None:
     shape = [ns.hidden, ns.layers, ns.heads, ns.vocab]
     if ns.model and any(v is not None for v in shape):
-        parser.error("give --model or the shape (--hidden --layers --heads --vocab), not both")
+        raise UserError("give --model or the shape (--hidden --layers --heads --vocab), not both")
     if ns.model:
-        try:
-            return load_model(ns.model)
-        except ValueError as e:
-            parser.error(str(e))
+        return load_model(ns.model)
     if all(v is None for v in shape):
         return None
     if any(v is None for v in shape):
-        parser.error("the shape needs all of --hidden, --layers, --heads and --vocab")
+        raise UserError("the shape needs all of --hidden, --layers, --heads and --vocab")
     return GPTConfig(vocab_size=ns.vocab, d_model=ns.hidden, n_layers=ns.layers, n_heads=ns.heads,
                      n_kv_heads=ns.kv_heads, ffn_hidden=ns.ffn_hidden, max_seq_len=ns.seq_len or 2048)  # fmt: skip
 
@@ -115,10 +129,15 @@ def _why(c: Candidate) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run ``megascale plan`` on ``argv`` (default: the command line); the exit status."""
+    """Run ``megascale plan`` on ``argv`` (default: the command line); the exit status (2: a usage error,
+    printed in one line; ``--traceback`` shows its trace)."""
     parser = _parser()
     ns = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    config = _model(ns, parser)
+    return report_user_errors("megascale plan", lambda: _plan(ns), traceback=ns.traceback)
+
+
+def _plan(ns: argparse.Namespace) -> int:
+    config = _model(ns)
     calibration = None
     if ns.calibrate:
         from megascale.core.plan.calibrate import cpu_cluster, measure
@@ -134,9 +153,9 @@ def main(argv: list[str] | None = None) -> int:
         if config is None:
             return 0
     if config is None:
-        parser.error("give --model, or the shape (--hidden --layers --heads --vocab), or --calibrate")
+        raise UserError("give --model, or the shape (--hidden --layers --heads --vocab), or --calibrate")
     if ns.gpus is None or ns.global_batch is None:
-        parser.error("--gpus and --global-batch are needed to plan")
+        raise UserError("--gpus and --global-batch are needed to plan")
     seq_len = ns.seq_len or config.max_seq_len
     if seq_len > config.max_seq_len:
         config = replace(config, max_seq_len=seq_len)
@@ -145,10 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         workload = Workload(config, seq_len=seq_len, global_batch=ns.global_batch, precision="32-true",
                             optimizer=ns.optimizer, kernels=Kernels.cpu())  # fmt: skip
     else:
-        try:
-            gpu = gpu_spec(ns.gpu)
-        except ValueError as e:
-            parser.error(str(e))
+        gpu = gpu_spec(ns.gpu)
         network = ns.network_gbps * 1e9 / 8 if ns.network_gbps else None
         cluster = ClusterSpec(gpu, gpus=ns.gpus, gpus_per_node=ns.gpus_per_node, network_bandwidth=network)
         workload = Workload(config, seq_len=seq_len, global_batch=ns.global_batch, precision=ns.precision,
@@ -156,11 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     fixed = Fixed(tp=ns.tp, pp=ns.pp, dp=ns.dp, zero_stage=ns.zero_stage, micro_batch_size=ns.micro_batch_size,
                   num_microbatches=ns.num_microbatches, schedule=ns.schedule, virtual_stages=ns.virtual_stages,
                   sequence_parallel=ns.sequence_parallel, activation_checkpointing=ns.activation_checkpointing)  # fmt: skip
-    try:
-        ranked = search(workload, cluster, fixed, top=ns.top)
-    except ValueError as e:
-        print(f"megascale plan: {e}", file=sys.stderr)
-        return 2
+    ranked = search(workload, cluster, fixed, top=ns.top)  # a ValueError names what cannot be laid out
+    if ns.json and not ranked[0].fits:
+        print(no_fit_advice(ranked[0], cluster.usable_memory), file=sys.stderr)
     if ns.json:
         out = {
             "model": config.to_dict(), "seq_len": seq_len, "global_batch": ns.global_batch,
@@ -182,17 +196,70 @@ def main(argv: list[str] | None = None) -> int:
             print(_row(i, c))
             print(_why(c))
         if not ranked[0].fits:
-            print(
-                "no layout fits: add GPUs, shorten the sequence, or lower the global batch", file=sys.stderr
-            )
-    if ns.emit_config:
-        from megascale.core.plan.emit import lightning_config, to_yaml
-
-        best = ranked[0]
-        header = (f"written by megascale plan: {best.layout.describe()}; predicted {best.memory.total / _GB:.1f} GB "
-                  f"per GPU, {best.step.step_time:.3f} s per step, {best.step.tflops_per_gpu:.0f} TFLOP/s per GPU "
-                  f"on {cluster.gpus} × {cluster.gpu.name}")  # fmt: skip
-        text = to_yaml(lightning_config(best, config, seq_len, cluster, workload.precision), header)
-        ns.emit_config.write_text(text)
-        print(f"wrote {ns.emit_config}", file=sys.stderr if ns.json else sys.stdout)
+            print(no_fit_advice(ranked[0], cluster.usable_memory), file=sys.stderr)
+    if ns.emit_config or ns.cpu_trial:
+        _emit(ns, ranked[0], config, seq_len, cluster, workload.precision)
     return 0 if ranked[0].fits else 1
+
+
+def no_fit_advice(smallest: Candidate, usable: float) -> str:
+    """Why even the layout needing least memory does not fit, and what would help: sharding the model
+    states (ZeRO over the data-parallel ranks, more GPUs) when they dominate, else the activations."""
+    m, plan, dp = smallest.memory.peak, smallest.layout.plan, smallest.layout.dp
+    head = (f"no layout fits in {usable / _GB:.0f} GB per GPU: the smallest, {smallest.layout.describe()}, needs "
+            f"{smallest.memory.total / _GB:.1f} GB (model states {m.states / _GB:.1f} GB, activations "
+            f"{m.activations / _GB:.1f} GB)")  # fmt: skip
+    if m.states < m.activations:
+        return (head + "; the activations dominate: shorten the sequence (--seq-len), checkpoint activations "
+                "(--activation-checkpointing full) or use more GPUs for tp/pp")  # fmt: skip
+    fixes = []
+    top_zero = 3 if plan.pp == 1 else 2
+    if dp > 1 and plan.zero_stage < top_zero:
+        fixes.append(
+            f"a higher ZeRO stage (--zero-stage {top_zero} shards them over the {dp} data-parallel ranks)"
+        )
+    fixes.append("more GPUs (more data-parallel ranks for ZeRO to shard the states over, or larger tp × pp)")
+    return (
+        head
+        + "; the model states dominate: "
+        + ", or ".join(fixes)
+        + " (a smaller global batch would not help)"
+    )
+
+
+def _emit(ns: argparse.Namespace, best: Candidate, config: GPTConfig, seq_len: int, cluster: ClusterSpec,
+          precision: str) -> None:  # fmt: skip
+    """--emit-config and --cpu-trial: the configs of the first choice, with the commands that run them."""
+    from megascale.core.plan.emit import cpu_trial, lightning_config, preparation, to_yaml, tokenizer_for
+
+    tokenizer = tokenizer_for(config, ns.model)
+    parameters = stages_of_rank(config, 1, 1, 0)[0].parameters(config, 1)
+    emitted = lightning_config(best, config, seq_len, cluster, precision, tokenizer=tokenizer,
+                               max_steps=ns.max_steps, parameters=parameters)  # fmt: skip
+    prepare = preparation(tokenizer, config.vocab_size)
+    out = sys.stderr if ns.json else sys.stdout
+    predicted = (f"predicted {best.memory.total / _GB:.1f} GB per GPU, {best.step.step_time:.3f} s per step, "
+                 f"{best.step.tflops_per_gpu:.0f} TFLOP/s per GPU on {cluster.gpus} × {cluster.gpu.name}")  # fmt: skip
+    for path, config_dict, what in (
+        (ns.emit_config, emitted, f"the first choice, {best.layout.describe()}; {predicted}"),
+        (ns.cpu_trial, cpu_trial(emitted, best, config) if ns.cpu_trial else None,
+         f"the first choice shrunk to this machine's CPU (a small model of the same kind, tp, pp <= 2), to try "
+         f"the config, strategy and data before the GPUs: {best.layout.describe()} at full size"),
+    ):  # fmt: skip
+        if path is None or config_dict is None:
+            continue
+        trial = config_dict is not emitted
+        steps = ["megascale-data stdlib --output .cache/megascale/stdlib"] if trial else prepare
+        if (
+            trial
+            and config_dict["data"]["init_args"]["train"].get("tokenizer") is None
+            and tokenizer != "bytes"
+        ):
+            what += f"; bytes (vocabulary 257) stand in for the BPE of {config.vocab_size} ids the full run trains"
+        header = "\n".join([f"written by megascale plan: {what}",
+                            "needs megascale-lightning and megascale-data (pip install 'megascale-data[lightning]')",
+                            "run once before:", *(f"  {c}" for c in steps),
+                            "then:", f"  megascale fit --config {path}"])  # fmt: skip
+        Path(path).write_text(to_yaml(config_dict, header))
+        print(f"wrote {path}: {'first run ' + ' && '.join(steps) + ', then ' if steps else ''}"
+              f"megascale fit --config {path}", file=out)  # fmt: skip

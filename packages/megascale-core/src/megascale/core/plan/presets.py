@@ -4,6 +4,7 @@ argument (a preset, a GPTConfig YAML, a LightningCLI config, or a Hugging Face c
 
 from __future__ import annotations
 
+import difflib
 import json
 from dataclasses import fields
 from pathlib import Path
@@ -40,8 +41,16 @@ def load_model(spec: str) -> GPTConfig:
     if spec.lower() in PRESETS:
         return GPTConfig(**PRESETS[spec.lower()])
     path = Path(spec)
+    if path.is_dir():
+        raise IsADirectoryError(f"--model {spec}: a directory; give its config.json (or a YAML/JSON config)")
     if not path.is_file():
-        raise ValueError(f"--model {spec!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a file")
+        if "/" in spec or "\\" in spec or path.suffix.lower() in (".json", ".yaml", ".yml"):
+            raise FileNotFoundError(f"--model {spec}: no such file")
+        close = difflib.get_close_matches(spec.lower(), list(PRESETS), n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ValueError(
+            f"--model {spec!r} is neither a preset nor a file: {hint}presets: {', '.join(sorted(PRESETS))}"
+        )
     text = path.read_text()
     if path.suffix == ".json":
         data = json.loads(text)

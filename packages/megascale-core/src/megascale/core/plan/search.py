@@ -160,6 +160,26 @@ def _plans(
                     yield group
 
 
+def _why_none(workload: Workload, cluster: ClusterSpec, fx: Fixed) -> str:
+    """Why no layout is possible, naming the first cause found: the fixed parts against the GPU count, the
+    layers, the global batch; else the general statement."""
+    gpus, batch, layers = cluster.gpus, workload.global_batch, workload.model.n_layers
+    if fx.tp and fx.pp and fx.dp and fx.tp * fx.pp * fx.dp != gpus:
+        return (f"tp × pp × dp = {fx.tp} × {fx.pp} × {fx.dp} = {fx.tp * fx.pp * fx.dp} GPUs, but --gpus is {gpus}: "
+                "a layout uses every GPU; change --gpus or one of --tp/--pp/--dp")  # fmt: skip
+    fixed_product = (fx.tp or 1) * (fx.pp or 1) * (fx.dp or 1)
+    if gpus % fixed_product:
+        named = " × ".join(f"{k}={v}" for k, v in (("tp", fx.tp), ("pp", fx.pp), ("dp", fx.dp)) if v)
+        return f"{named} = {fixed_product} does not divide the {gpus} GPUs: a layout uses every GPU"
+    if fx.pp and fx.pp > layers:
+        return f"pp={fx.pp} is more pipeline stages than the model's {layers} layers"
+    if fx.dp and batch % fx.dp:
+        return f"the global batch {batch} is not divisible by dp={fx.dp}: every replica takes an equal share"
+    given = fx.given()
+    return (f"no layout of {gpus} GPUs ({cluster.gpus_per_node} per node) divides the global batch {batch} and "
+            f"splits this model ({layers} layers, {workload.model.n_heads} heads)" + (f" with {given}" if given else ""))  # fmt: skip
+
+
 def search(
     workload: Workload, cluster: ClusterSpec, fixed: Fixed | None = None, top: int | None = None
 ) -> list[Candidate]:
@@ -178,11 +198,7 @@ def search(
                 break
             too_big.append((memory.total, layout, memory))
     if not fitting and not too_big:
-        given = (fixed or Fixed()).given()
-        raise ValueError(
-            f"no layout of {cluster.gpus} GPUs ({cluster.gpus_per_node} per node) divides the global batch "
-            f"{workload.global_batch} and splits this model" + (f" with {given}" if given else "")
-        )
+        raise ValueError(_why_none(workload, cluster, fixed or Fixed()))
     fitting.sort(key=lambda c: (c.step.step_time, c.memory.total))
     too_big.sort(key=lambda t: t[0])
     rest = too_big[: max(0, (top or len(fitting) + len(too_big)) - len(fitting))]
