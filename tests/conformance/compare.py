@@ -13,10 +13,12 @@ at most ~lr·δg/eps for a near-zero gradient: a handful of elements then differ
 tensor's update norm is ~1, so ``update_rtol`` 1e-3 holds with margin (observed ≤ 2e-4) and catches 1% of
 an update.
 
-bf16-mixed cells: matmuls round to 8 bits of mantissa, a split GEMM or a gathered-in-bf16 ZeRO-2/3
-parameter rounds differently; SGD with momentum (lr 0.5) carries that into the weights linearly. Observed
-relative update errors ≤ 2.5% per tensor (1.2% overall) across layouts; a dropped dp reduction is ~50%:
-``update_rtol`` 0.1. Losses to 1e-2 relative.
+bf16-mixed cells: matmuls round to 8 bits of mantissa and a split GEMM rounds differently; ZeRO-2/3 gathers
+every parameter in bf16 (FSDP2's param_dtype), so its norms also compute on bf16 weights where autocast keeps
+fp32. SGD with momentum (lr 0.5) carries that into the weights linearly. Observed relative update errors ≤
+2.5% per tensor (1.2% overall) for ZeRO-0/1, tp and pp, ≤ 13.5% for ZeRO-2/3 (a LayerNorm weight); a dropped
+dp reduction is ~50%: ``update_rtol`` 0.2. The momentum buffer is the recent gradient itself, not a sum of
+steps: a LayerNorm weight's differs by 20.4% under ZeRO-2/3 (``state_rtol`` 0.3). Losses to 1e-2 relative.
 """
 
 from __future__ import annotations
@@ -33,10 +35,11 @@ class Tolerance:
     metric_atol: float = 1e-6
     update_rtol: float = 1e-3
     atol: float = 1e-7  # per element (RMS), the floor for tensors that hardly move
+    state_rtol: float = 1e-3  # optimizer state, relative to its own size
 
 
 FLOAT32 = Tolerance()
-BF16 = Tolerance(metric_rtol=1e-2, metric_atol=1e-3, update_rtol=0.1, atol=1e-5)
+BF16 = Tolerance(metric_rtol=1e-2, metric_atol=1e-3, update_rtol=0.2, atol=1e-5, state_rtol=0.3)
 
 
 def _close(

@@ -94,6 +94,16 @@ def _order(cell: Cell) -> tuple[int, int, int, int]:
 
 
 def _launch(cells: list[Cell], world: int, out: Path, name: str) -> None:
+    """One torchrun launch for ``cells``; a cell that leaves the ranks out of step (one raised while the others
+    wait in a collective) ends it, and the cells after it run in a fresh launch."""
+    for attempt in range(4):
+        _launch_once(cells, world, out, f"{name}" if attempt == 0 else f"{name}.{attempt}")
+        cells = [c for c in cells if result(c, out)["status"] in ("not run", "missing")]
+        if not cells:
+            return
+
+
+def _launch_once(cells: list[Cell], world: int, out: Path, name: str) -> None:
     jobs = []
     for cell in cells:
         resume = None

@@ -31,7 +31,8 @@ EPS = 1e-6
 
 
 class Attention(nn.Module):
-    def __init__(self, width: int, heads: int, kv_heads: int, bias: bool, fused: bool, mask_len: int) -> None:
+    def __init__(self, width: int, heads: int, kv_heads: int, bias: bool, fused: bool, mask_len: int,
+                 mask_device: bool = False) -> None:  # fmt: skip
         super().__init__()
         self.head_dim = width // heads
         self.kv_width = kv_heads * self.head_dim
@@ -46,7 +47,10 @@ class Attention(nn.Module):
             self.v = nn.Linear(width, self.kv_width, bias=bias)
         self.o = nn.Linear(width, width, bias=bias)
         if mask_len:  # a causal mask computed in __init__, as many user models (and nanoGPT) keep one
-            self.register_buffer("mask", torch.ones(mask_len, mask_len).tril().bool(), persistent=False)
+            # (device "cpu": computed for real even when the model is built on the meta device)
+            device = "cpu" if mask_device else None
+            mask = torch.ones(mask_len, mask_len, device=device).tril().bool()
+            self.register_buffer("mask", mask, persistent=False)
         else:
             self.mask = None
 
@@ -85,10 +89,10 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
     def __init__(self, width: int, heads: int, kv_heads: int, bias: bool, fused: bool, mask_len: int,
-                 layer_scale: bool) -> None:  # fmt: skip
+                 layer_scale: bool, mask_device: bool) -> None:  # fmt: skip
         super().__init__()
         self.attn_norm = nn.LayerNorm(width, bias=bias)
-        self.attn = Attention(width, heads, kv_heads, bias, fused, mask_len)
+        self.attn = Attention(width, heads, kv_heads, bias, fused, mask_len, mask_device)
         self.mlp_norm = nn.LayerNorm(width, bias=bias)
         self.mlp = MLP(width, bias, fused)
         # a learned per-block gain (LayerScale / ReZero), a plain parameter held by the block itself
@@ -114,6 +118,18 @@ class Head(nn.Module):
         return self.proj(self.norm(x))
 
 
+class Embeddings(nn.Module):
+    """Token and learned position embeddings, summed: one layer, so a pipeline's first stage holds both."""
+
+    def __init__(self, vocab: int, seq: int, width: int) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, width)
+        self.positions = nn.Embedding(seq, width)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.tokens(ids) + self.positions(torch.arange(ids.shape[1], device=ids.device))
+
+
 class Net(nn.Module):
     """Embedding → blocks → head; lists its layers and loss for pipelines; declares its TP plan."""
 
@@ -121,26 +137,31 @@ class Net(nn.Module):
         super().__init__()
         vocab, width, seq = shape["vocab"], shape["width"], shape["seq"]
         self.features = features
-        self.embed = nn.Embedding(vocab, width)
-        self.pos = nn.Embedding(seq, width) if features.get("pos_embed") else None
+        self.embed = (
+            Embeddings(vocab, seq, width) if features.get("pos_embed") else nn.Embedding(vocab, width)
+        )
         mask_len = seq if features.get("mask_buffer") else 0
         heads = shape["heads"]
         kv_heads = heads if features.get("fused") else shape["kv_heads"]
         self.blocks = nn.ModuleList(
             Block(width, heads, kv_heads, shape["bias"], bool(features.get("fused")), mask_len,
-                  bool(features.get("layer_scale")))
+                  bool(features.get("layer_scale")), features.get("mask_buffer") == "cpu")
             for _ in range(shape["layers"])
         )  # fmt: skip
         self.head = Head(width, vocab, shape["bias"], bool(features.get("unused")))
         if features.get("tie") or features.get("tie_unplanned"):
-            self.head.proj.weight = self.embed.weight
+            self.head.proj.weight = self.embed.weight  # type: ignore[assignment]
 
     def tensor_parallel_plan(self) -> dict[str, Any] | None:
         f = self.features
         if f.get("own_parallelize"):
             return None  # the LightningModule splits it itself (ModelParallelStrategy's way)
         plan: dict[str, Any] = {
-            "embed": "rowwise",
+            **(
+                {"embed.tokens": "rowwise", "embed.positions": "position_embedding"}
+                if f.get("pos_embed")
+                else {"embed": "rowwise"}
+            ),
             "blocks.*.attn.o": "rowwise",
             "blocks.*.mlp.down": "rowwise",
         }
@@ -155,7 +176,7 @@ class Net(nn.Module):
         if f.get("torch_sp_norms"):  # torch's own SequenceParallel style for the norms
             from torch.distributed.tensor.parallel import SequenceParallel
 
-            plan |= {n: SequenceParallel() for n in norms}
+            plan |= {n: SequenceParallel(use_local_output=True) for n in norms}
         elif not f.get("unmarked_norms"):  # as Hugging Face's base_model_tp_plan: norms left out
             plan |= {n: "sequence_parallel" for n in norms}
         if f.get("layer_scale") and not f.get("unmarked_norms"):
@@ -163,16 +184,13 @@ class Net(nn.Module):
         return plan
 
     def pipeline_layers(self) -> PipelineLayers:
-        first: list[nn.Module] = [self.embed] if self.pos is None else [self.embed, self.pos]
-        return PipelineLayers(first=first, blocks=list(self.blocks), last=[self.head])
+        return PipelineLayers(first=[self.embed], blocks=list(self.blocks), last=[self.head])
 
     def pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         x = self.embed(tokens)
-        if self.pos is not None:
-            x = x + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
         for block in self.blocks:
             x = block(x)
         logits = self.head(x)
@@ -186,7 +204,7 @@ def _seed(name: str) -> int:
 class ConformanceModule(LightningModule):
     """A user's LightningModule; ``features`` (all optional):
 
-    frozen: parameter-name substrings with requires_grad=False from the start; unused: a parameter no forward
+    frozen: parameter-name substrings with requires_grad=False from the start ("drawn": the shape's); unused: a parameter no forward
     reads; layerdrop: block i is skipped on steps where (step + i) % 3 == 0; manual: two AdamW optimizers
     (blocks; embedding and head) stepped by hand in one training_step, the second forward reading what the
     first step wrote; schedulers: a per-step warm-up and a per-epoch decay on one optimizer; log_grad_norm:
@@ -195,7 +213,8 @@ class ConformanceModule(LightningModule):
     sgd: plain SGD (for bf16-mixed, whose AdamW updates would hide a defect in rounding noise); eager: the
     model built in ``__init__`` on real tensors (BaseFinetuning and StochasticWeightAveraging read or copy it
     in their ``setup``, before ``configure_model`` runs); and the
-    model's own: tie, tie_unplanned (the tied head left out of the TP plan), pos_embed, mask_buffer, fused,
+    model's own: tie, tie_unplanned (the tied head left out of the TP plan), pos_embed, mask_buffer (True, or
+    "cpu": created with an explicit device), fused,
     layer_scale, unmarked_norms, torch_sp_norms; own_parallelize: configure_model splits the model itself
     on ``self.device_mesh`` as a module written for ModelParallelStrategy does.
     """
@@ -212,8 +231,10 @@ class ConformanceModule(LightningModule):
         if self.net is not None:
             return
         self.net = Net(self.shape, self.features)
+        frozen = self.features.get("frozen", ())
+        frozen = self.shape["frozen"] if frozen == "drawn" else frozen
         for name, p in self.named_parameters():
-            if any(part in name for part in self.features.get("frozen", ())):
+            if any(part in name for part in frozen):
                 p.requires_grad_(False)
         if self.features.get("own_parallelize") and self.device_mesh is not None:
             self._parallelize(self.net)

@@ -101,8 +101,8 @@ SCENARIOS = [
     ),
     Scenario(
         "frozen",
-        "requires_grad=False from the start (an embedding and a block's norm)",
-        features=dict(frozen=("embed.", "blocks.0.attn_norm")),
+        "requires_grad=False from the start (two parts of the model drawn from the seed)",
+        features=dict(frozen="drawn"),
     ),
     Scenario(
         "freeze-mid-run",
@@ -155,6 +155,11 @@ SCENARIOS = [
     Scenario("ema", "an EMA callback reading every weight after each step", callbacks=("ema",)),
     Scenario("tied", "embedding tied to the output layer", features=dict(tie=True)),
     Scenario("buffers", "a causal-mask buffer computed in __init__", features=dict(mask_buffer=True)),
+    Scenario(
+        "buffers-on-device",
+        "the same buffer created with an explicit device (what the refusal of 'buffers' advises)",
+        features=dict(mask_buffer="cpu"),
+    ),
     Scenario("bf16", "bf16-mixed (SGD with momentum)", features=dict(sgd=True), bf16=True),
     Scenario(
         "validation",
@@ -188,7 +193,7 @@ SCENARIOS = [
     ),
     Scenario(
         "torch-sp-norms",
-        "torch's own SequenceParallel style on the norms",
+        "torch's own SequenceParallel(use_local_output=True) style on the norms",
         features=dict(torch_sp_norms=True),
         tp_only=True,
     ),
@@ -209,11 +214,13 @@ SCENARIO = {s.name: s for s in SCENARIOS}
 
 
 def draw_shape(seed: int, scenario: str) -> dict[str, Any]:
-    """A small random transformer: depth, width, heads, kv heads, biases (every layout can split it)."""
+    """A small random transformer: depth, width, heads, kv heads, biases (every layout can split it), and
+    which parameters the "frozen" scenario freezes."""
     rng = random.Random(f"{seed}/{scenario}")
     heads = rng.choice([2, 4])
+    frozen = rng.sample(["embed.", "blocks.0.attn_norm", "blocks.0.mlp.", "blocks.1.attn.", "head.norm"], 2)
     return dict(vocab=VOCAB, seq=SEQ, layers=rng.choice([2, 3, 4]), width=rng.choice([16, 32]), heads=heads,
-                kv_heads=rng.choice(sorted({2, heads})), bias=rng.random() < 0.5)  # fmt: skip
+                kv_heads=rng.choice(sorted({2, heads})), bias=rng.random() < 0.5, frozen=frozen)  # fmt: skip
 
 
 # ---- what is refused, by name -------------------------------------------------------------------------

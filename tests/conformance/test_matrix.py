@@ -33,6 +33,7 @@ def _first_line(text: str) -> str:
     return text.strip().splitlines()[0] if text.strip() else ""
 
 
+@pytest.mark.timeout(3600)  # the first cell's setup runs the whole matrix (the session fixture)
 def test_cell(cell: matrix.Cell, matrix_out: Path) -> None:
     assert cell.layout is not None
     layout, scenario = LAYOUT[cell.layout], SCENARIO[cell.scenario]

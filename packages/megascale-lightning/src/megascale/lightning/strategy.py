@@ -426,6 +426,7 @@ class MegaScaleStrategy(ParallelStrategy):
         self.runtime.zero.after_backward()
 
     def _before_optimizer_step(self, optimizer: Optimizer) -> None:
+        self.runtime.check_first_step()
         self._replica_guard.check_gradients(optimizer, self.model, self.runtime)
         self.runtime.zero.before_optimizer_step(optimizer)
 

@@ -57,6 +57,7 @@ from megascale.core.parallel.zero import UnitTree, ZeroRuntime, apply_zero
 
 if TYPE_CHECKING:
     from megascale.core.parallel.pipeline import Pipeline, StageModule  # torch pipelining: imported when used
+    from megascale.core.parallel.tp_region_check import RegionCheck
 
 __all__ = ["CheckpointLayout", "ParallelRuntime", "parallelize"]
 
@@ -89,6 +90,16 @@ class ParallelRuntime:
     notes: list[str] = field(default_factory=list)
     #: this rank's tensor-parallel layers (``tensor_parallel.tp_layers``): where the TP collectives wait
     tp_layers: list[WaitTimed] = field(default_factory=list)
+    #: the first forward's check of a tensor_parallel_plan (``tp_region_check``), deferred under pp
+    region_check: RegionCheck | None = None
+
+    def check_first_step(self) -> None:
+        """Every rank, after the first step's backward and before its optimizer step: raise, on every rank,
+        what the first forward's tensor-parallel check found on any pipeline stage (deferred under pp so that
+        no stage is left waiting for another's activations). A training loop of your own calls it there;
+        MegaScaleStrategy does."""
+        if self.region_check is not None:
+            self.region_check.verdict()
 
     @property
     def grad_norm_group(self) -> SumGroup:
@@ -158,10 +169,12 @@ def parallelize(
     plan.check_model(module)
     user_fsdp = _check_foreign_sharding(module, mesh, dims)
     notes: list[str] = []
+    region_check: RegionCheck | None = None
     gpts = [m for m in module.modules() if isinstance(m, GPT)]
 
     if dims.tp > 1:  # 1.
-        notes += _apply_tensor_parallel(module, gpts, plan, mesh["tp"])
+        tp_notes, region_check = _apply_tensor_parallel(module, gpts, plan, mesh["tp"])
+        notes += tp_notes
     stages: list[StageModule] = []
     pipelined: nn.Module | None = None
     if dims.pp > 1:  # 2.
@@ -218,7 +231,7 @@ def parallelize(
             warnings.warn(note, stacklevel=2)
     return ParallelRuntime(
         plan=plan, dims=dims, mesh=mesh, zero=zero, pipeline=pipeline, rng=rng, notes=notes,
-        tp_layers=tp_layers,
+        tp_layers=tp_layers, region_check=region_check,
     )  # fmt: skip
 
 
@@ -321,13 +334,14 @@ def _check_foreign_sharding(module: nn.Module, mesh: DeviceMesh, dims: ParallelD
 
 def _apply_tensor_parallel(
     module: nn.Module, gpts: list[GPT], plan: ParallelPlan, tp_mesh: DeviceMesh
-) -> list[str]:
+) -> tuple[list[str], RegionCheck | None]:
     from megascale.core.parallel.tensor_parallel import apply_tensor_parallel
     from megascale.core.parallel.tp_plan import tied_parameter_sites
 
     chunks = plan.tp_comm_chunks if plan.overlap_tp_comm else 1
     already = {id(p) for p in module.parameters() if is_dtensor(p)}
     ties = tied_parameter_sites(module)
+    region_check = None
     for gpt in gpts:
         apply_tensor_parallel(gpt, tp_mesh, sequence_parallel=plan.sequence_parallel, overlap=plan.overlap_tp_comm,
                               overlap_chunks=plan.tp_comm_chunks)  # fmt: skip
@@ -359,8 +373,8 @@ def _apply_tensor_parallel(
             )
         # one watch over the whole module: parameters outside the plans (a head of the LightningModule's own)
         # used on the plans' sequence shards are found too
-        install_region_check(module, [(n, m) for n, m, _ in plans], tp=plan.tp,
-                             sequence_parallel=plan.sequence_parallel)  # fmt: skip
+        region_check = install_region_check(module, [(n, m) for n, m, _ in plans], tp=plan.tp,
+                                            sequence_parallel=plan.sequence_parallel, defer=plan.pp > 1)  # fmt: skip
     _check_ties_kept(module, ties)
     if not any(is_dtensor(p) for p in module.parameters()):
         raise ValueError(
@@ -369,13 +383,13 @@ def _apply_tensor_parallel(
             "a tensor_parallel_plan (module-name patterns -> 'colwise'/'rowwise'/...), or use tp=1"
         )
     if not already:
-        return []
+        return [], region_check
     names = sorted({n.rpartition(".")[0] for n, p in module.named_parameters() if id(p) in already})
     return [
         f"tensor parallelism of {names} was applied by the model itself (DTensor): sequence_parallel, "
         "overlap_tp_comm and tp_comm_chunks do not apply to those layers; declare a tensor_parallel_plan "
         "instead to get them"
-    ]
+    ], region_check
 
 
 def _check_ties_kept(module: nn.Module, ties: dict[int, list[tuple[str, nn.Module, str]]]) -> None:

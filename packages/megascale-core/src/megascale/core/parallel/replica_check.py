@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 
     from megascale.core.parallel.compose import ParallelRuntime
 
-__all__ = ["CAUSES", "ReplicaEntry", "ReplicaGuard", "ReplicaMismatchError", "check_replicas"]
+__all__ = ["CAUSES", "ReplicaEntry", "ReplicaGuard", "ReplicaMismatchError", "agree_over", "check_replicas"]
 
 CAUSES: dict[tuple[str, str], str] = {
     ("tp", "gradient"): (
@@ -206,6 +206,15 @@ def _show(row: Tensor) -> str:
 # ---- what MegaScaleStrategy runs -----------------------------------------------------------------------
 
 
+def agree_over(group: dist.ProcessGroup, verdict: str | None) -> list[tuple[int, str]]:
+    """Every rank's ``verdict`` (None: nothing found) over ``group``, as (group rank, text) of those that found
+    something: so that ranks which found nothing can stop with those that did (pipeline stages otherwise
+    wait for each other until the collective timeout)."""
+    verdicts: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(verdicts, verdict, group=group)
+    return [(rank, text) for rank, text in enumerate(verdicts) if text is not None]
+
+
 class ReplicaGuard:
     """``check_replicas`` at the first ``steps`` optimizer steps of a ``parallelize``d module: gradients after
     the reduction, before the step; values after the step. What must agree where:
@@ -302,10 +311,20 @@ class ReplicaGuard:
         if runtime.dims.dp == 1 and runtime.dims.tp == 1:
             return  # no replicas: nothing to compare
         groups = {"dp": runtime.mesh["dp"].get_group(), "tp": runtime.mesh["tp"].get_group()}
-        check_replicas(
-            entries, groups, what=what, gather_group=self._gather_group(runtime), step=self.done if what == "value" else self.done + 1,
-            note=f" (Checked at the first {self.steps} optimizer steps; MegaScaleStrategy(replica_check_steps=0) turns it off.)",
-        )  # fmt: skip
+        found: ReplicaMismatchError | None = None
+        try:
+            check_replicas(
+                entries, groups, what=what, gather_group=self._gather_group(runtime), step=self.done if what == "value" else self.done + 1,
+                note=f" (Checked at the first {self.steps} optimizer steps; MegaScaleStrategy(replica_check_steps=0) turns it off.)",
+            )  # fmt: skip
+        except ReplicaMismatchError as error:
+            found = error
+        if runtime.dims.pp > 1:  # a stage's verdict stops every stage, not only its own ranks
+            verdicts = agree_over(runtime.mesh["pp"].get_group(), str(found) if found is not None else None)
+            if found is None and verdicts:
+                raise ReplicaMismatchError(f"pipeline stage {verdicts[0][0]}: {verdicts[0][1]}")
+        if found is not None:
+            raise found
 
     def _gather_group(self, runtime: ParallelRuntime) -> dist.ProcessGroup | None:
         # ranks of one pipeline stage hold the same entries: gather over dp × tp of this stage (made once,

@@ -177,6 +177,29 @@ def _fits(size: int, tp: int, what: str, name: str, where: str) -> None:
         )
 
 
+def _check_torch_style(style: Any, name: str, where: str, tp: int, sequence_parallel: bool) -> None:
+    """torch's ``SequenceParallel`` takes its input as this rank's sequence shard and sums its weights'
+    gradients over tp: on whole sequences (sequence_parallel=False) it would count every token tp times, and
+    a DTensor output would meet megascale's layers, which take local tensors."""
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    if not isinstance(style, SequenceParallel) or tp == 1:
+        return
+    if not sequence_parallel:
+        raise ValueError(
+            f"tensor_parallel_plan of {where}: {name} uses torch's SequenceParallel, which takes its input as a "
+            "sequence shard, but sequence_parallel=False gives it whole sequences (its weights' gradients would "
+            "count every token tp times): set sequence_parallel=True, or use 'sequence_parallel' (megascale's "
+            "style, which does nothing without sequence parallelism)"
+        )
+    if not style.use_local_output:
+        raise ValueError(
+            f"tensor_parallel_plan of {where}: {name} uses torch's SequenceParallel with a DTensor output, which "
+            "megascale's split layers (local tensors) cannot take: SequenceParallel(use_local_output=True), or "
+            "megascale's 'sequence_parallel' style"
+        )
+
+
 def check_tensor_parallel_plan(
     module: nn.Module, plan: Mapping[str, Any], tp: int, *, sequence_parallel: bool, name: str = ""
 ) -> dict[str, tuple[nn.Module, Any]]:
@@ -191,6 +214,7 @@ def check_tensor_parallel_plan(
     matched = _matches(module, plan, where)
     for n, (m, style) in matched.items():
         if isinstance(style, ParallelStyle):
+            _check_torch_style(style, n, where, tp, sequence_parallel)
             continue
         if style not in TP_STYLES:
             raise ValueError(
@@ -618,7 +642,14 @@ def make_replicated_grads_whole(module: nn.Module) -> int:
             # gives it memory; parallelize registers them after materialising
             continue
         if any(isinstance(pl, Replicate) for pl in p.placements):  # type: ignore[attr-defined]
-            p.register_post_accumulate_grad_hook(_whole_grad)
+            # a frozen parameter may train later (BaseFinetuning): torch registers hooks only on tensors that
+            # require grad, and keeps them when requires_grad changes; so it is switched on just to register
+            frozen = not p.requires_grad
+            p.requires_grad_(True)
+            try:
+                p.register_post_accumulate_grad_hook(_whole_grad)
+            finally:
+                p.requires_grad_(not frozen)
             p._megascale_whole_grad = True  # type: ignore[attr-defined]
             hooked += 1
     return hooked

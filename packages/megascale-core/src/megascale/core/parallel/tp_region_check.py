@@ -26,6 +26,11 @@ another model or framework. A module that makes such a gradient whole itself (it
 Cost: the mode is active during the first forward of the model only (each torch operation pays a Python
 call); the hooks that scope it are removed afterwards. Pipeline stages after the first receive their inputs
 from another rank, unmarked: there the run-time replica check (``replica_check.py``) is the safety net.
+
+Under pipeline parallelism a refusal raised in one stage's forward would leave the other stages waiting for
+its activations until the collective timeout; there (``defer=True``) a parameter refusal is recorded, the
+step goes on, and ``verdict(group)``, which every rank calls before the first optimizer step
+(MegaScaleStrategy does), raises it on every rank.
 """
 
 from __future__ import annotations
@@ -137,9 +142,12 @@ class RegionCheck:
     """
 
     def __init__(
-        self, root: nn.Module, owners: list[tuple[str, nn.Module]], *, tp: int, sequence_parallel: bool
-    ) -> None:
-        self.tp, self.sequence_parallel = tp, sequence_parallel
+        self, root: nn.Module, owners: list[tuple[str, nn.Module]], *, tp: int, sequence_parallel: bool,
+        defer: bool = False,
+    ) -> None:  # fmt: skip
+        self.tp, self.sequence_parallel, self.defer = tp, sequence_parallel, defer
+        self.finding: str | None = None  # a deferred refusal, raised by verdict()
+        self._settled = False
         self._mode: _Mode | None = None
         self._owner_of_scope: nn.Module | None = None
         self._done_scopes: set[int] = set()
@@ -253,14 +261,36 @@ class RegionCheck:
                 fix = f"in the tensor_parallel_plan of {owner}, mark {relative!r}"
             if fix not in fixes:
                 fixes.append(fix)
-        self._refused = True  # raised from inside the mode: the scope's hook closes it on the way out
-        raise ValueError(
+        message = (
             f"tensor parallelism (tp={self.tp}, sequence_parallel={self.sequence_parallel}): the trainable "
             f"parameter(s) {names} are used {self._where()} on {what}, so each rank's gradient would cover its "
             "part only and the replicas would drift apart, and no style in the plan sums them over tp. Fix: "
             f"{'; '.join(fixes)} as {style}; a module that makes these gradients whole itself: "
             "'replicated_unsummed'. (Found in the first forward, before any optimizer step.)"
         )
+        if self.defer:  # raised on every rank by verdict(), before the first optimizer step
+            self.finding = self.finding or message
+            return
+        self._refused = True  # raised from inside the mode: the scope's hook closes it on the way out
+        raise ValueError(message)
+
+    def verdict(self, group: Any = None) -> None:
+        """With ``defer``: raise the first forward's refusal, found on any rank of ``group`` (default: all), on
+        every rank. Every rank calls it once the first step's forward and backward are done; later calls do
+        nothing."""
+        if not self.defer or self._settled:
+            return
+        self._settled = True
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            found = [self.finding] if self.finding else []
+        else:
+            texts: list[str | None] = [None] * dist.get_world_size(group)
+            dist.all_gather_object(texts, self.finding, group=group)
+            found = [t for t in texts if t is not None]
+        if found:
+            raise ValueError(found[0])
 
     def refuse_shape(self, func: Any, tensors: list[torch.Tensor], error: Exception) -> None:
         shards = [tuple(x.shape) for x in tensors if getattr(x, _PART, None) == PART_SEQUENCE]
@@ -290,7 +320,12 @@ def _owner(name: str, owners: Iterable[tuple[str, nn.Module]]) -> tuple[str | No
 
 
 def install_region_check(
-    root: nn.Module, owners: list[tuple[str, nn.Module]], *, tp: int, sequence_parallel: bool
+    root: nn.Module,
+    owners: list[tuple[str, nn.Module]],
+    *,
+    tp: int,
+    sequence_parallel: bool,
+    defer: bool = False,
 ) -> RegionCheck:
     """Watch ``root``'s first forward (see the module docstring); the check removes itself after it."""
-    return RegionCheck(root, owners, tp=tp, sequence_parallel=sequence_parallel)
+    return RegionCheck(root, owners, tp=tp, sequence_parallel=sequence_parallel, defer=defer)

@@ -404,6 +404,7 @@ class BucketedGradReduce:
                 for i, (p, offset) in enumerate(zip(bucket.params, bucket.offsets)):
                     if i not in absent:
                         g = local(p.grad)
+                        assert g is not None
                         g.copy_(bucket.flat[offset : offset + g.numel()].view_as(g))
         finally:
             self._reset()
