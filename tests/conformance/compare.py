@@ -49,7 +49,8 @@ def _close(
         return [f"{what}: shape {tuple(got.shape)} != one process's {tuple(want.shape)}"]
     moved = float((want - start).norm()) if start is not None else float(want.norm())
     diff = float((got - want).norm())
-    bound = tol.update_rtol * moved + tol.atol * want.numel() ** 0.5
+    rtol = tol.update_rtol if start is not None else tol.state_rtol  # state: relative to its own size
+    bound = rtol * moved + tol.atol * want.numel() ** 0.5
     if diff <= bound:
         return []
     worst = int((got - want).abs().argmax())

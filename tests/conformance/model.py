@@ -292,6 +292,8 @@ class ConformanceModule(LightningModule):
         return loss
 
     def _manual_step(self, batch: Any) -> None:
+        if self.features["manual"] == "accumulate":  # one optimizer, stepped every second batch
+            return self._manual_accumulation(batch)
         first, second = self.optimizers()  # type: ignore[misc]
         loss = self._loss(batch)
         first.zero_grad()
@@ -305,6 +307,15 @@ class ConformanceModule(LightningModule):
         self.log("train/loss", loss.detach(), on_step=True, sync_dist=True)
         self.log("train/loss2", loss2.detach(), on_step=True, sync_dist=True)
         return None
+
+    def _manual_accumulation(self, batch: Any) -> None:
+        optimizer = self.optimizers()
+        loss = self._loss(batch)
+        self.manual_backward(loss / 2)
+        if (self.trainer.fit_loop.epoch_loop.batch_progress.current.completed + 1) % 2 == 0:
+            optimizer.step()  # type: ignore[union-attr]
+            optimizer.zero_grad()  # type: ignore[union-attr]
+        self.log("train/loss", loss.detach(), on_step=True, sync_dist=True)
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         self.log("val/loss", self._loss(batch), on_epoch=True, sync_dist=True)
@@ -330,6 +341,8 @@ class ConformanceModule(LightningModule):
 
     def configure_optimizers(self) -> Any:
         assert self.net is not None
+        if self.features.get("manual") == "accumulate":
+            return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=LR, eps=EPS)
         if self.features.get("manual"):
             blocks = [p for p in self.net.blocks.parameters() if p.requires_grad]
             rest = [

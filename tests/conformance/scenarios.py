@@ -122,6 +122,12 @@ SCENARIOS = [
         features=dict(manual=True),
     ),
     Scenario(
+        "manual-accumulate",
+        "manual optimization accumulating two batches by hand before each step",
+        features=dict(manual="accumulate"),
+        trainer=dict(max_epochs=3),
+    ),
+    Scenario(
         "schedulers",
         "a per-step warm-up and a per-epoch decay on one optimizer",
         features=dict(schedulers=True),
@@ -229,14 +235,50 @@ def _sharded(layout: Layout) -> bool:
     return layout.tp > 1 or layout.pp > 1 or layout.zero >= 2
 
 
+def _dtensor_grads(layout: Layout) -> bool:
+    return layout.tp > 1 or layout.zero >= 2
+
+
+def _pipelined(layout: Layout) -> bool:
+    return layout.pp > 1
+
+
+def _split(layout: Layout) -> bool:
+    return layout.tp > 1
+
+
+def _sequence_parallel(layout: Layout) -> bool:
+    return layout.tp > 1 and layout.strategy.get("sequence_parallel", True)
+
+
+def _no_sequence_parallel(layout: Layout) -> bool:
+    return layout.tp > 1 and not layout.strategy.get("sequence_parallel", True)
+
+
+def _breaks_finetuning(layout: Layout) -> bool:
+    return layout.tp > 1 or (layout.pp > 1 and layout.zero >= 2)
+
+
+def _always(layout: Layout) -> bool:
+    return True
+
+
 REFUSED: dict[str, list[tuple[Any, str]]] = {
     "swa": [(_sharded, "StochasticWeightAveraging cannot run under MegaScaleStrategy")],
-    "manual": [
-        (lambda layout: layout.pp > 1, "manual optimization (automatic_optimization=False) cannot run")
+    "manual": [(_pipelined, "manual optimization (automatic_optimization=False) cannot run")],
+    "manual-accumulate": [(_pipelined, "manual optimization (automatic_optimization=False) cannot run")],
+    "finetuning": [(_breaks_finetuning, "(BaseFinetuning) cannot unfreeze under MegaScaleStrategy")],
+    "lightning-grad-norm": [(_dtensor_grads, "are tensor-parallel or ZeRO-2/3 shards")],
+    "torch-clip": [(_split, "are tensor-parallel or ZeRO-2/3 shards")],
+    "tied": [(_pipelined, "which different pipeline stages hold (tied weights)")],
+    "model-parallel-module": [(_pipelined, "the model applied fully_shard itself, and pp > 1")],
+    "buffers": [(_always, "were computed on the meta device in __init__")],
+    "unmarked-norms": [(_sequence_parallel, "on a sequence shard")],
+    "torch-sp-norms": [
+        (_no_sequence_parallel, "uses torch's SequenceParallel, which takes its input as a sequence")
     ],
-    "finetuning": [
-        (lambda layout: layout.tp > 1, "(BaseFinetuning) cannot unfreeze under MegaScaleStrategy")
-    ],
+    "fused-colwise": [(_always, "is named like a fused projection")],
+    "tied-unplanned": [(_always, "are one tied parameter, but the plan splits its uses differently")],
 }
 
 
