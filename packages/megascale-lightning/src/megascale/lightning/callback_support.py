@@ -17,9 +17,10 @@ that names the feature, the layout and what to do instead:
   ``clip_grad_norm_``) covers that stage. It cannot be made whole there, so it is warned about, naming the
   readers and the whole-model alternatives (``megascale.lightning.grad_norm``, ``self.clip_gradients``).
 - ``BaseFinetuning.unfreeze_and_add_param_group`` drops parameters already in the optimizer by comparing
-  values (``torch.equal``) with every optimizer parameter, which raises for a DTensor against a plain tensor:
-  refused where the model holds both (tensor parallelism, or a model sharded by its own ``fully_shard``), with
-  the two lines that do the same by hand. Freezing (``freeze_before_training``) and unfreezing by hand work
+  values (``torch.equal``) with every optimizer parameter, which raises for a DTensor against a plain tensor,
+  and is a collective between sharded ones, which deadlocked across pipeline stages (pp2 × dp2 ZeRO-2):
+  refused where the model holds both kinds (tensor parallelism, a model's own ``fully_shard``) or sharded ones
+  under pp, with the two lines that do the same by hand. Freezing (``freeze_before_training``) and unfreezing by hand work
   under every layout.
 """
 
@@ -56,14 +57,15 @@ def check_trainer_features(
                 "or ZeRO-2/3 shards, or one pipeline stage's layers). Use tp=1, pp=1 and zero_stage 0 or 1, or keep "
                 "an average of your own over pl_module.parameters() in a callback (an EMA), which every layout runs"
             )
-        if isinstance(callback, BaseFinetuning) and _mixes_dtensors(module):
+        if isinstance(callback, BaseFinetuning) and _breaks_finetuning(module, dims):
             raise ValueError(
                 f"{type(callback).__name__} (BaseFinetuning) cannot unfreeze under MegaScaleStrategy at {layout}: "
                 "its unfreeze_and_add_param_group compares every parameter by value with torch.equal, which fails "
-                "between the tensor-parallel shards (DTensors) and plain parameters this model holds. In "
+                "between the tensor-parallel shards (DTensors) and plain parameters this model holds, and deadlocks "
+                "between sharded parameters of pipeline stages. In "
                 "finetune_function unfreeze by hand instead: `for p in modules.parameters(): p.requires_grad_(True)` "
                 "then `optimizer.add_param_group({'params': [those parameters], 'lr': ...})` (works under every "
-                "layout), or use tp=1"
+                "layout), or use tp=1 (and, with pp > 1, zero_stage 0 or 1)"
             )
     readers = gradient_readers(trainer)
     if readers and dims.pp > 1:
@@ -82,6 +84,8 @@ def check_trainer_features(
         )
 
 
-def _mixes_dtensors(module: nn.Module) -> bool:
+def _breaks_finetuning(module: nn.Module, dims: ParallelDims) -> bool:
+    """DTensor and plain parameters mixed (torch.equal raises), or DTensor parameters under pp (torch.equal on
+    sharded parameters is a collective: the ranks were seen stopping in different ones, a deadlock)."""
     kinds = {is_dtensor(p) for p in module.parameters()}
-    return kinds == {True, False}
+    return kinds == {True, False} or (dims.pp > 1 and True in kinds)
