@@ -224,6 +224,11 @@ class ConformanceModule(LightningModule):
         self.shape, self.features = dict(shape), dict(features or {})
         self.net: Net | None = None
         self.automatic_optimization = not self.features.get("manual")
+        # the hooks below are overridden for the scenarios that use them; the others read no gradient, and say
+        # so (else ZeRO-1 would all-reduce whole gradients for every scenario: weight_readers.py)
+        self.reads_gradients = any(
+            self.features.get(k) for k in ("log_grad_norm", "clip_in_module", "torch_clip")
+        )
         if self.features.get("eager"):  # built here, as callbacks that copy or freeze it in setup() need
             self.configure_model()
 

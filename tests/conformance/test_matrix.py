@@ -17,10 +17,9 @@ from pathlib import Path
 import pytest
 
 from tests.conformance import matrix, report
-from tests.conformance.compare import BF16, FLOAT32, compare
-from tests.conformance.scenarios import LAYOUT, SCENARIO, expected_refusal, expected_warning
+from tests.conformance.judge import Outcome, judge
 
-OUTCOMES: dict[str, report.Outcome] = {}
+OUTCOMES: dict[str, Outcome] = {}
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -29,40 +28,9 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("cell", cells, ids=[c.id for c in cells])
 
 
-def _first_line(text: str) -> str:
-    return text.strip().splitlines()[0] if text.strip() else ""
-
-
 @pytest.mark.timeout(3600)  # the first cell's setup runs the whole matrix (the session fixture)
 def test_cell(cell: matrix.Cell, matrix_out: Path) -> None:
-    assert cell.layout is not None
-    layout, scenario = LAYOUT[cell.layout], SCENARIO[cell.scenario]
-    got = matrix.result(cell, matrix_out)
-    want = matrix.result(cell.reference, matrix_out)
-    assert want["status"] == "ok", (
-        f"the one-process reference failed: {want.get('error')}\n{want['rank_errors']}"
-    )
-    refusal = None if cell.saved_under else expected_refusal(cell.scenario, layout)
-    if refusal is not None:
-        assert got["status"] == "error", f"expected a refusal naming {refusal!r}; the cell ran"
-        assert refusal in got["error"], f"refused with {got['error']!r}, expected words {refusal!r}"
-        ranks = got["rank_errors"]
-        assert len(ranks) == layout.world, f"only ranks {sorted(ranks)} refused: the others went on"
-        OUTCOMES[cell.id] = report.Outcome(cell, "refused", _first_line(got["error"]))
-        return
-    detail = "\n".join(got["rank_errors"].values())
-    assert got["status"] == "ok", f"{got.get('error_type', '')}: {got.get('error')}\n{detail}"
-    assert not got["rank_errors"], detail
-    warning = None if cell.saved_under else expected_warning(cell.scenario, layout)
-    if warning is not None:  # cannot be exact: the strategy must say so
-        said = [w for w in got["warnings"] if warning in w]
-        assert said, f"expected a warning with {warning!r}; the strategy warned {got['warnings']}"
-        OUTCOMES[cell.id] = report.Outcome(cell, "warned", _first_line(said[0]))
-        return
-    tol = BF16 if scenario.bf16 else FLOAT32
-    problems = compare(got, want, tol, skip_steps=2 if cell.saved_under else 0)
-    assert not problems, f"{cell.id} differs from one process:\n" + "\n".join(problems[:40])
-    OUTCOMES[cell.id] = report.Outcome(cell, "exact", "; ".join(got.get("warnings", [])))
+    OUTCOMES[cell.id] = judge(cell, matrix_out)
 
 
 def test_guarantees_page_is_generated_from_the_matrix(request: pytest.FixtureRequest) -> None:
