@@ -392,11 +392,19 @@ def _apply_tensor_parallel(
     ], region_check
 
 
+def _parameter_at(root: nn.Module, name: str, attr: str) -> nn.Parameter | None:
+    try:
+        return root.get_submodule(name)._parameters.get(attr) if name else root._parameters.get(attr)
+    except AttributeError:  # the module was replaced by one of another shape
+        return None
+
+
 def _check_ties_kept(module: nn.Module, ties: dict[int, list[tuple[str, nn.Module, str]]]) -> None:
     """Every weight tied before tensor parallelism is still one parameter (the plans' checks refuse what
     would untie one; this catches any other way, e.g. a model splitting a tied layer itself)."""
     for sites in ties.values():
-        held = {id(m._parameters.get(attr)) for _, m, attr in sites}
+        # by name in the tree as it is now: tensor parallelism may replace modules (a GPT's layers)
+        held = {id(p) for p in (_parameter_at(module, n, attr) for n, _, attr in sites) if p is not None}
         if len(held) > 1:
             names = [f"{n}.{attr}" if n else attr for n, _, attr in sites]
             raise ValueError(
