@@ -31,7 +31,7 @@ MISTAKES = [
     ("megascale", ["fit", "--config", "no_such.yaml"], "megascale fit: error: --config no_such.yaml: no such file"),
     ("megascale", ["fitt"], "did you mean 'fit'?"),
     ("megascale", ["convert", "missing.ckpt", "model.pt"], "megascale convert: error: missing.ckpt"),
-    ("megascale", ["convert", "--to-hf", "missing.pt", "out"], "No such file or directory: missing.pt"),
+    ("megascale", ["convert", "--to-hf", "missing.pt", "out"], "missing.pt: no such file or checkpoint directory"),
     ("megascale-data", ["shard", "missing_dir", "--output", "out"], "input missing_dir does not exist"),
     ("megascale-data", ["inspect", "missing.jsonl"], "shards do not exist"),
     ("megascale-ft", ["launch", "--", "missing.py"], "the training script missing.py does not exist"),

@@ -74,44 +74,26 @@ def test_a_layer_without_reset_parameters_is_refused_under_meta_init_and_init_we
     _replicas_agree(results["dp2"], "init_weights module")
 
 
+# The conformance matrix (tests/conformance) trains a transformer of a user's own under every layout of issue
+# 22 (dp2 ZeRO-0/1/2/3, tp2 with and without SP, pp2, tp2×dp2, tp2×pp2, pp2×dp2); here what it lacks: tp
+# without overlapped communication and activation checkpointing of the whole model or of named modules.
+# examples/own_model.py (tp2 × pp2 on 4 processes) runs as docs/first-hour.md shows it, in
+# tests/integration/test_doc_blocks.py.
 OWN_WORLD2 = {
-    "tp2+sp": (dict(tp=2), 1),
     "tp2 no sp, no overlap": (dict(tp=2, sequence_parallel=False, overlap_tp_comm=False), 1),
-    "pp2": (dict(pp=2), 1),
-    "dp2/zero1": (dict(zero_stage=1), 2),
-    "dp2/zero2": (dict(zero_stage=2), 2),
     "dp2/zero3 full AC": (dict(zero_stage=3, activation_checkpointing="full"), 2),
     "dp2/zero1 AC of Attention": (
         dict(zero_stage=1, activation_checkpointing="full", checkpoint_modules=["Attention"]),
         2,
     ),
 }
-OWN_WORLD4 = {
-    "tp2×pp2": (dict(tp=2, pp=2), 1),
-    "tp2×dp2/zero1": (dict(tp=2, zero_stage=1), 2),
-    "tp2×dp2/zero3": (dict(tp=2, zero_stage=3), 2),
-}
 
 
-def test_own_transformer_trains_like_one_process_under_every_layout(tmp_path):
+def test_own_transformer_trains_like_one_process_without_overlap_and_with_activation_checkpointing(tmp_path):
     """A transformer written in the test (its own attention and MLP) joins by a tensor_parallel_plan and
-    pipeline_layers()/pipeline_loss() only, and trains like one process under tp, pp, ZeRO-1/2/3 and their
-    combinations (sequence parallelism and chunked overlap on by default)."""
+    pipeline_layers()/pipeline_loss() only, and trains like one process with tp's communication not overlapped
+    and with activation checkpointing under ZeRO."""
     reference = fit([own_job("one", "OwnTransformerModule", {}, 1)], 1, tmp_path / "ref")["one"]
-    for world, layouts in ((2, OWN_WORLD2), (4, OWN_WORLD4)):
-        jobs = [own_job(name, "OwnTransformerModule", kw, dp) for name, (kw, dp) in layouts.items()]
-        for name, result in fit(jobs, world, tmp_path / f"world{world}").items():
-            _compare(result, reference, name)
-
-
-def test_the_own_model_example_trains_its_transformer_under_tp2_pp2():
-    """examples/own_model.py as documented: Lightning launches 4 CPU processes itself; the loss falls."""
-    import subprocess
-    import sys
-
-    from tests.lightning._launch import ROOT, clean_env
-
-    command = [sys.executable, "examples/own_model.py", "--steps", "16"]
-    result = subprocess.run(command, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "layout dp1 × pp2 × tp2, ZeRO-1: loss" in result.stdout
+    jobs = [own_job(name, "OwnTransformerModule", kw, dp) for name, (kw, dp) in OWN_WORLD2.items()]
+    for name, result in fit(jobs, 2, tmp_path / "world2").items():
+        _compare(result, reference, name)

@@ -169,7 +169,8 @@ def test_cli_yaml_with_the_strategy_trains_and_converts(tmp_path):
 
 def test_cli_yaml_with_tensor_and_pipeline_parallelism(tmp_path):
     """`megascale fit --config tp2_pp2_cpu.yaml` (tp 2 × pp 2, 1F1B, on 4 ranks): validation, logging and
-    ModelCheckpoint under a pipeline, then a resume from the saved checkpoint (`--ckpt_path last`)."""
+    ModelCheckpoint under a pipeline. (Resuming a pipeline's checkpoint: test_strategy.py and the conformance
+    matrix; `--ckpt_path last` from the command line: test_cli.py.)"""
     tiny = [a.replace("--data.init_args.batch_size", "--data.init_args.batch_size") for a in _TINY_TP2]
     tiny[tiny.index("--data.init_args.batch_size") + 1] = "4"  # num_microbatches=4: one sequence each
     cmd = [sys.executable, "-m", "megascale.lightning.cli", "fit", "--config", "tp2_pp2_cpu.yaml", *tiny]
@@ -181,9 +182,6 @@ def test_cli_yaml_with_tensor_and_pipeline_parallelism(tmp_path):
     assert len([r for r in rows if r.get("train/loss")]) == 3
     assert any(r.get("val/loss") for r in rows)
     assert (tmp_path / "checkpoints" / "tp2_pp2_cpu" / "last.ckpt" / ".metadata").is_file()
-    more = [*cmd[: cmd.index("--trainer.max_steps") + 1], "5", *cmd[cmd.index("--trainer.max_steps") + 2 :]]
-    proc = subprocess.run([*more, "--ckpt_path", "last"], cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
 
 
 def test_converted_weights_are_the_trained_weights(tmp_path):
