@@ -329,6 +329,10 @@ class Kernel:
             notes.append(note)
             log.info("megascale kernel %s on %s%s: %s", self.name, device.type, _case_label(case), note)
 
+    def observations(self, device: torch.device | str, case: str | None = None) -> list[str]:
+        """What was observed at run time on ``device`` for ``case`` (``observe``), oldest first."""
+        return list(self._observed.get((torch.device(device).type, case), []))
+
     def explain(self, device: torch.device | str, backend: str | None = None, case: str | None = None) -> str:
         """The backend that runs on ``device`` (for ``case``) and what its check found, plus the backends that
         failed theirs and what was observed at run time, e.g. "torch (triton failed its check against the torch
