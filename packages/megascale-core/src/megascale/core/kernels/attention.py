@@ -125,7 +125,7 @@ def _flex_unavailable(device: torch.device) -> str | None:
 
 
 def _unfit(q: torch.Tensor, dropout_p: float) -> bool:
-    """fp32 (debugging runs) and dropout: flash-attn has no kernel for either."""
+    """fp32 (debugging runs) and dropout: flash-attn 4 has a kernel for neither."""
     return q.dtype not in (torch.float16, torch.bfloat16) or dropout_p > 0
 
 
