@@ -72,9 +72,18 @@ def _leaf(
     return (torch.randn(shape, device=device, dtype=torch.float32) * scale).to(dtype).requires_grad_(True)
 
 
-def make_cases(small: bool, dtype: torch.dtype, device: torch.device, only: set[str]) -> list[Case]:
-    """The benchmark problems, built lazily per kernel so unselected ones allocate nothing."""
-    if small:
+def make_cases(
+    small: bool, dtype: torch.dtype, device: torch.device, only: set[str], tiny: bool = False
+) -> list[Case]:
+    """The benchmark problems, built lazily per kernel so unselected ones allocate nothing. ``tiny``: toy
+    shapes that only check the benchmark runs (``benchmarks/gpu.py --smoke``)."""
+    if tiny:
+        norm_shapes = [(64, 128)]
+        ffn_shapes = [(64, 256)]
+        rope_shape = (1, 32, 2, 16)
+        ce_shapes = [(64, 512, 500)]
+        attn = [(1, 32, 4, 2, 16, None), (1, 32, 4, 2, 16, 8)]
+    elif small:
         norm_shapes = [(2048, 1024)]
         ffn_shapes = [(2048, 2816)]
         rope_shape = (2, 512, 8, 64)

@@ -3,12 +3,13 @@ masks written out here, independently of attention.attention_mask: sliding windo
 
 from __future__ import annotations
 
+import logging
 import math
 
 import pytest
 import torch
 
-from megascale.core.kernels import attention
+from megascale.core.kernels import attention, registry
 
 
 def _qkv(B: int, T: int, H: int, KV: int, hd: int, seed: int) -> tuple[torch.Tensor, ...]:
@@ -82,3 +83,41 @@ def test_rejects_a_window_below_one() -> None:
     q, k, v = _qkv(1, 4, 2, 2, 8, seed=7)
     with pytest.raises(ValueError, match="sliding window must be >= 1"):
         attention(q, k, v, window=0, backend="torch")
+
+
+def test_flex_matches_the_reference_forward_and_backward_at_the_sequence_edges() -> None:
+    """FlexAttention (eager on the CPU) with its cached block mask, grouped-query heads and a scale: windows of
+    1 (itself only), 7 (dividing neither T nor FlexAttention's 128-token blocks), T and none (full causal), against the written-out mask forward and the torch reference backward."""
+    inputs = _qkv(2, 10, 4, 2, 8, seed=8)
+    cotangent = torch.randn(2, 10, 4, 8, generator=torch.Generator().manual_seed(9))
+    for window in (1, 7, 10, None):
+        grads = {}
+        for backend in ("flex", "torch"):
+            q, k, v = (t.clone().requires_grad_(True) for t in inputs)
+            out = attention(q, k, v, window=window, scale=0.3, backend=backend)
+            grads[backend] = torch.autograd.grad(out, (q, k, v), cotangent)
+            if backend == "flex":
+                want = _explicit(*(t * s for t, s in zip(inputs, (0.3 * math.sqrt(8), 1, 1))), window)
+                torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5, msg=f"window {window}")
+        for got, want in zip(grads["flex"], grads["torch"]):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=f"window {window}")
+
+
+def test_windowed_calls_are_chosen_apart_and_sdpa_says_which_kernel_ran(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.delenv(registry.ENV_VAR, raising=False)
+    registry.reset()
+    caplog.set_level(logging.INFO, logger="megascale.core.kernels")
+    q, k, v = _qkv(1, 8, 2, 1, 8, seed=10)
+    for _ in range(2):
+        attention(q, k, v, window=3)
+        attention(q, k, v, window=8)  # a window as long as the sequence is full causal attention
+    window_choice = attention.explain("cpu", case="window")
+    assert window_choice.startswith("sdpa (") and "SDPA ran its " in window_choice, window_choice
+    choices = [m for m in caplog.messages if m.startswith("megascale kernel attention on cpu")]
+    assert any(m.startswith("megascale kernel attention on cpu (window): sdpa (skipped ") for m in choices)
+    assert any("flex: FlexAttention is compiled on CUDA only" in m for m in choices), choices
+    ran = [m for m in choices if "SDPA ran its " in m]
+    assert len(ran) == 2, ran  # once per case (causal, window), not per call
+    registry.reset()

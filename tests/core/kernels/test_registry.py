@@ -60,6 +60,34 @@ def test_backend_without_a_forced_check_uses_its_availability_check() -> None:
         demo(torch.zeros(1), backend="broken")
 
 
+def test_a_backend_serving_one_case_is_chosen_for_that_case_only(caplog: pytest.LogCaptureFixture) -> None:
+    """Attention's pattern: FlexAttention serves windowed calls; full causal ones keep the next backend."""
+    demo = Kernel("demo")
+    demo.case_of = lambda x, window=None: "window" if window else None
+    demo.cases = ("window",)
+    demo.register("windowed", skips=lambda case: None if case == "window" else "serves windows only")(
+        lambda x, window=None: "windowed"
+    )
+    demo.register("torch")(lambda x, window=None: "torch")
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    x = torch.zeros(1)
+    assert demo(x, window=4) == "windowed"
+    assert demo(x) == "torch"
+    assert demo(x, backend="windowed") == "windowed"  # forced: whatever the case
+    assert "megascale kernel demo on cpu: torch (skipped windowed: serves windows only)" in caplog.messages
+    assert (
+        "megascale kernel demo on cpu (window): windowed (not checked: the kernel declares no probe)"
+        in caplog.messages
+    )
+    demo.observe("cpu", "window", "ran its banded kernel")
+    demo.observe("cpu", "window", "ran its banded kernel")  # recorded and logged once
+    assert (
+        demo.explain("cpu", case="window")
+        == "windowed (not checked: the kernel declares no probe; ran its banded kernel)"
+    )
+    assert caplog.messages.count("megascale kernel demo on cpu (window): ran its banded kernel") == 1
+
+
 def test_registering_a_backend_twice_is_an_error() -> None:
     demo = _demo_kernel()
     with pytest.raises(ValueError, match="already has a backend 'torch'"):
@@ -79,13 +107,14 @@ def test_preference_order() -> None:
     assert get_kernel("layer_norm").backend_names() == ["apex", "triton", "torch"]
     for name in ("bias_gelu", "swiglu", "rope", "cross_entropy"):
         assert get_kernel(name).backend_names() == ["triton", "torch"], name
-    assert attention.backend_names() == ["flash", "sdpa", "torch"]
+    assert attention.backend_names() == ["flash", "flash4", "flex", "sdpa", "torch"]
 
 
 def test_cpu_automatic_choice_is_the_reference_with_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     chosen = registry.describe("cpu")
     assert chosen.pop("attention") == "sdpa"
+    assert chosen.pop("attention (window)") == "sdpa"  # FlexAttention is no automatic choice on the CPU
     assert set(chosen.values()) == {"torch"}, chosen
 
 

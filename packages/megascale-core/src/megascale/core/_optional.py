@@ -19,6 +19,7 @@ __all__ = [
     "apex_norms_unavailable",
     "apex_optimizers",
     "flash_attn",
+    "flash_attn_cute",
     "missing_reason",
     "safetensors",
     "triton",
@@ -26,7 +27,8 @@ __all__ = [
 ]
 
 _INSTALL_HINTS = {
-    "flash_attn": "pip install 'megascale-core[flash]' (needs a CUDA build of torch)",
+    "flash_attn": "pip install 'megascale-core[flash]' for flash-attn 2 (needs a CUDA build of torch), or "
+    "pip install flash-attn-4 for flash_attn.cute (Hopper/Blackwell, prebuilt wheels)",
     "apex": "NVIDIA apex is not on PyPI (the PyPI 'apex' is another project): build it from "
     "https://github.com/NVIDIA/apex with --cpp_ext --cuda_ext",
     "triton": "pip install 'megascale-core[triton]' (CUDA builds of torch ship it)",
@@ -56,7 +58,20 @@ def missing_reason(module: str) -> str:
 
 def flash_attn() -> ModuleType | None:
     """The flash_attn package (>= 2.6 for sliding windows), or None."""
-    return _probe("flash_attn")
+    mod = _probe("flash_attn")
+    if mod is not None and not hasattr(mod, "flash_attn_func"):
+        # flash-attn-4 alone installs flash_attn/cute without flash_attn/__init__.py: a namespace package.
+        _reasons["flash_attn"] = (
+            "flash_attn has no flash_attn_func (flash-attn-4 alone installs only flash_attn.cute, which the "
+            f"flash4 backend uses); {_INSTALL_HINTS['flash_attn']}"
+        )
+        return None
+    return mod
+
+
+def flash_attn_cute() -> ModuleType | None:
+    """flash-attn 4's CuTe-DSL kernels (``flash_attn.cute``: Hopper and Blackwell), or None."""
+    return _probe("flash_attn.cute")
 
 
 def apex_norms() -> ModuleType | None:

@@ -1,16 +1,29 @@
 """Causal self-attention with optional sliding window and grouped-query heads.
 
-Backends, fastest first: ``flash`` (flash-attn 2 on CUDA, fp16/bf16, native sliding window and GQA), ``sdpa``
-(torch's scaled_dot_product_attention; a cached boolean mask carries the window), ``torch`` (explicit fp32
+Backends, fastest first: ``flash`` (flash-attn 2 on CUDA, fp16/bf16, native sliding window and GQA), ``flash4``
+(flash-attn 4's ``flash_attn.cute`` on Hopper/Blackwell, fp16/bf16, native window and GQA; windowed layers
+only), ``flex`` (torch's FlexAttention with a cached block mask, compiled on CUDA; windowed layers only: it skips
+the key blocks outside the window instead of masking a dense (T, T) score matrix), ``sdpa`` (torch's
+scaled_dot_product_attention; a cached boolean (T, T) mask carries the window), ``torch`` (explicit fp32
 softmax: the reference). Window semantics, the same in every backend: query i sees keys j with
 i - window < j <= i, i.e. ``window`` keys including itself.
+
+The automatic choice is made per case of a call (see ``registry``): full causal attention (no window, or one at
+least as long as the sequence) keeps flash-attn 2 or SDPA's fused causal kernel; a call with a window shorter
+than the sequence (the "window" case) prefers flash-attn 2, then flash-attn 4, then FlexAttention, and only then
+SDPA with a dense mask. The first SDPA call of each case, dtype and device type records which SDPA kernel torch
+dispatched to (cuDNN, flash, efficient, math), in the log and in ``describe(checks=True)``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import warnings
+from collections.abc import Callable, Iterator
 from functools import lru_cache
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -18,10 +31,29 @@ import torch.nn.functional as F
 from megascale.core import _optional
 from megascale.core.kernels.registry import Probe, ProbeInputs, get_kernel
 
-__all__ = ["attention", "attention_mask"]
+__all__ = ["WINDOW", "attention", "attention_mask"]
 
 log = logging.getLogger("megascale.core.kernels")
 attention = get_kernel("attention")
+
+WINDOW = "window"
+"""The case of a call whose sliding window is shorter than the sequence (see ``registry``)."""
+
+
+def _case(q: torch.Tensor, *_args: Any, window: int | None = None, **_kwargs: Any) -> str | None:
+    return WINDOW if window is not None and window < q.shape[1] else None
+
+
+attention.case_of = _case
+attention.cases = (WINDOW,)
+
+
+def _windowed_only(case: str | None) -> str | None:
+    if case == WINDOW:
+        return None
+    return (
+        "full causal attention keeps flash-attn 2 or SDPA's fused causal kernel (this backend serves windows)"
+    )
 
 
 @lru_cache(maxsize=32)
@@ -56,12 +88,63 @@ def _flash_unavailable(device: torch.device) -> str | None:
     return None
 
 
+def _flash4_unavailable(device: torch.device) -> str | None:
+    if device.type != "cuda":
+        return "flash-attn 4 runs on CUDA only"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major not in (9, 10, 11):
+        return f"flash-attn 4 runs on Hopper and Blackwell (compute capability 9.x-11.x); this GPU is {major}.{minor}"
+    if _optional.flash_attn_cute() is None:
+        return _optional.missing_reason("flash_attn.cute")
+    return None
+
+
+def _flex_module() -> Any:
+    try:
+        from torch.nn.attention import flex_attention
+    except ImportError:
+        return None
+    return flex_attention
+
+
+def _flex_unavailable_if_forced(_device: torch.device) -> str | None:
+    if _flex_module() is None:
+        return f"FlexAttention needs torch >= 2.5 (this is {torch.__version__})"
+    return None
+
+
+def _flex_unavailable(device: torch.device) -> str | None:
+    if (reason := _flex_unavailable_if_forced(device)) is not None:
+        return reason
+    if device.type != "cuda":
+        return (
+            f"FlexAttention is compiled on CUDA only; on {device.type} it runs eagerly over a dense score matrix "
+            "(backend='flex' still runs it, for tests)"
+        )
+    return None
+
+
+def _unfit(q: torch.Tensor, dropout_p: float) -> bool:
+    """fp32 (debugging runs) and dropout: flash-attn 4 has a kernel for neither."""
+    return q.dtype not in (torch.float16, torch.bfloat16) or dropout_p > 0
+
+
+def _next_best(q, k, v, *, window: int | None, scale: float | None, dropout_p: float) -> torch.Tensor:
+    """Where a flash kernel cannot take the inputs: FlexAttention for a window (when it runs here and passed its
+    check, and no dropout is asked), else SDPA. Correct either way, only slower."""
+    if _case(q, window=window) == WINDOW and dropout_p == 0 and _flex_unavailable(q.device) is None:
+        flex = next(b for b in attention.backends if b.name == "flex")
+        if attention.verdict(flex, q.device).passed:
+            return _flex(q, k, v, window=window, scale=scale)
+    return _sdpa(q, k, v, window=window, scale=scale, dropout_p=dropout_p)
+
+
 @attention.register("flash", _flash_unavailable)
 def _flash(q, k, v, *, window: int | None = None, scale: float | None = None, dropout_p: float = 0.0):
     _check(q, k, v, window)
     if q.dtype not in (torch.float16, torch.bfloat16):
         # flash-attn has no fp32 kernel; fp32 runs are for debugging, so take the next-best path.
-        return _sdpa(q, k, v, window=window, scale=scale, dropout_p=dropout_p)
+        return _next_best(q, k, v, window=window, scale=scale, dropout_p=dropout_p)
     fa = _optional.flash_attn()
     assert fa is not None
     return fa.flash_attn_func(
@@ -75,6 +158,147 @@ def _flash(q, k, v, *, window: int | None = None, scale: float | None = None, dr
     )
 
 
+_FLASH4_HEAD_DIMS = (64, 96, 128)  # what flash_attn.cute's forward and backward cover on Hopper
+
+
+@attention.register("flash4", _flash4_unavailable, skips=_windowed_only)
+def _flash4(q, k, v, *, window: int | None = None, scale: float | None = None, dropout_p: float = 0.0):
+    _check(q, k, v, window)
+    if _unfit(q, dropout_p) or q.shape[3] not in _FLASH4_HEAD_DIMS:
+        return _next_best(q, k, v, window=window, scale=scale, dropout_p=dropout_p)
+    fa = _optional.flash_attn_cute()
+    assert fa is not None
+    # (left, right) keys around the query; None = unbounded. causal=True sets right to 0.
+    left = None if window is None or window >= q.shape[1] else window - 1
+    out = fa.flash_attn_func(
+        q, k, v, softmax_scale=scale, causal=True, window_size=(left, None if left is None else 0)
+    )
+    return out[0] if isinstance(out, tuple) else out  # flash_attn.cute returns (out, lse)
+
+
+_BLOCK_MASKS: dict[tuple[int, int | None, torch.device], Any] = {}
+_COMPILED_FLEX: dict[str, Callable[..., Any]] = {}
+
+
+def flex_block_mask(t: int, window: int | None, device: torch.device) -> Any:
+    """FlexAttention's block mask for causal attention over ``t`` tokens with an optional window, built once per
+    (t, window, device) and cached: ``create_block_mask`` evaluates the mask on every (query, key) block, which
+    costs far more than the attention it saves if repeated every layer and step."""
+    key = (t, window, torch.device(device))
+    mask = _BLOCK_MASKS.get(key)
+    if mask is None:
+        fa = _flex_module()
+
+        def causal(b, h, q_idx, kv_idx):
+            return kv_idx <= q_idx
+
+        def windowed(b, h, q_idx, kv_idx):
+            return (kv_idx <= q_idx) & (q_idx - kv_idx < window)
+
+        mask = fa.create_block_mask(
+            causal if window is None else windowed, B=None, H=None, Q_LEN=t, KV_LEN=t, device=key[2]
+        )
+        if len(_BLOCK_MASKS) >= 32:
+            _BLOCK_MASKS.pop(next(iter(_BLOCK_MASKS)))
+        _BLOCK_MASKS[key] = mask
+    return mask
+
+
+def _flex_fn(device: torch.device) -> Callable[..., Any]:
+    """flex_attention compiled once per process on CUDA (eager it runs an unfused reference over the whole
+    score matrix); eager elsewhere, and inside a region torch.compile is already tracing."""
+    fa = _flex_module()
+    if device.type != "cuda" or torch.compiler.is_compiling():
+        return fa.flex_attention
+    if "cuda" not in _COMPILED_FLEX:
+        _COMPILED_FLEX["cuda"] = torch.compile(fa.flex_attention, dynamic=False)
+    return _COMPILED_FLEX["cuda"]
+
+
+@contextlib.contextmanager
+def _cpu_backward(device: torch.device) -> Iterator[None]:
+    """Lift FlexAttention's refusal of inputs that require grad on the CPU, for this call only.
+
+    torch refuses them at entry (``flex_attention._validate_device``) because no compiled CPU backward exists;
+    the eager path this backend takes on the CPU differentiates its dense math reference, which the registry's
+    check compares with the torch reference, forward and backward, before the backend is used. CPU runs are for
+    tests: automatic selection never picks FlexAttention there."""
+    fa = _flex_module()
+    guard = getattr(fa, "_validate_device", None)
+    if device.type != "cpu" or guard is None:
+        yield
+        return
+    fa._validate_device = lambda *_args: None
+    try:
+        yield
+    finally:
+        fa._validate_device = guard
+
+
+@attention.register(
+    "flex", _flex_unavailable, unavailable_if_forced=_flex_unavailable_if_forced, skips=_windowed_only
+)
+def _flex(q, k, v, *, window: int | None = None, scale: float | None = None, dropout_p: float = 0.0):
+    _check(q, k, v, window)
+    if dropout_p > 0:  # FlexAttention has no dropout
+        return _sdpa(q, k, v, window=window, scale=scale, dropout_p=dropout_p)
+    T = q.shape[1]
+    block_mask = flex_block_mask(T, None if window is None or window >= T else window, q.device)
+    qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, hd)
+    with _cpu_backward(q.device), warnings.catch_warnings():
+        # eager on the CPU by design (tests); the warning that it is unfused says nothing new there
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        out = _flex_fn(q.device)(
+            qh, kh, vh, block_mask=block_mask, scale=scale, enable_gqa=q.shape[2] != k.shape[2]
+        )
+    return out.transpose(1, 2)  # (B, T, H, hd)
+
+
+_SDPA_KERNELS = (  # aten op (a substring of its name) -> the SDPA backend it is, most specific first
+    ("_scaled_dot_product_cudnn_attention", "cuDNN"),
+    ("_scaled_dot_product_flash_attention_for_cpu", "flash (CPU)"),
+    ("_scaled_dot_product_flash_attention", "flash"),
+    ("_scaled_dot_product_efficient_attention", "efficient (memory-efficient)"),
+    ("_scaled_dot_product_fused_attention_overrideable", "device-specific (overrideable)"),
+)
+
+
+def _sdpa_kernel_name(ops: list[str]) -> str:
+    for op, name in _SDPA_KERNELS:
+        if any(op in o for o in ops):
+            return f"{name} kernel (aten.{op})"
+    return "math kernel (unfused: it materialises the (T, T) scores)"
+
+
+def _sdpa_observed(
+    q: torch.Tensor, k: torch.Tensor, window: int | None, run: Callable[[], torch.Tensor]
+) -> torch.Tensor:
+    """Run SDPA; at the first call of each (device type, case, dtype, GQA) record which kernel torch dispatched
+    to, by watching the aten ops of that one call. Nothing is watched under torch.compile, or for tensor
+    subclasses (DTensor, fake tensors), whose dispatch is not SDPA's own."""
+    case = _case(q, window=window)
+    if type(q) is not torch.Tensor or torch.compiler.is_compiling() or q.is_meta:
+        return run()
+    key = ("sdpa kernel", q.device.type, case, q.dtype, q.shape[2] != k.shape[2])
+    if not attention.first_time(key):
+        return run()
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    ops: list[str] = []
+
+    class _Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with _Record():
+        out = run()
+    gqa = ", grouped-query" if key[4] else ""
+    dtype = str(q.dtype).removeprefix("torch.")
+    attention.observe(q.device, case, f"SDPA ran its {_sdpa_kernel_name(ops)} for {dtype}{gqa}")
+    return out
+
+
 @attention.register("sdpa")
 def _sdpa(q, k, v, *, window: int | None = None, scale: float | None = None, dropout_p: float = 0.0):
     _check(q, k, v, window)
@@ -82,15 +306,21 @@ def _sdpa(q, k, v, *, window: int | None = None, scale: float | None = None, dro
     qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, hd)
     gqa = q.shape[2] != k.shape[2]
     if window is None or window >= T:
-        out = F.scaled_dot_product_attention(
-            qh, kh, vh, dropout_p=dropout_p, is_causal=True, scale=scale, enable_gqa=gqa
-        )
+
+        def run() -> torch.Tensor:
+            return F.scaled_dot_product_attention(
+                qh, kh, vh, dropout_p=dropout_p, is_causal=True, scale=scale, enable_gqa=gqa
+            )
+
     else:
         mask = attention_mask(T, window, q.device)
-        out = F.scaled_dot_product_attention(
-            qh, kh, vh, attn_mask=mask, dropout_p=dropout_p, scale=scale, enable_gqa=gqa
-        )
-    return out.transpose(1, 2)  # (B, T, H, hd)
+
+        def run() -> torch.Tensor:
+            return F.scaled_dot_product_attention(
+                qh, kh, vh, attn_mask=mask, dropout_p=dropout_p, scale=scale, enable_gqa=gqa
+            )
+
+    return _sdpa_observed(q, k, window, run).transpose(1, 2)  # (B, T, H, hd)
 
 
 @attention.register("torch")
@@ -108,8 +338,10 @@ def _reference(q, k, v, *, window: int | None = None, scale: float | None = None
 
 
 def _probe(device: torch.device, dtype: torch.dtype, gen: torch.Generator) -> ProbeInputs:
-    q = torch.randn(2, 16, 4, 16, generator=gen)  # (B, T, H, head_dim), grouped-query: 2 kv heads
-    k, v = torch.randn(2, 16, 2, 16, generator=gen), torch.randn(2, 16, 2, 16, generator=gen)
+    # (B, T, H, head_dim), grouped-query: 2 kv heads; head_dim 64, the smallest flash-attn 4 takes; a window
+    # of 6 that does not divide T, so every windowed backend is checked on the case it is chosen for
+    q = torch.randn(2, 16, 4, 64, generator=gen)
+    k, v = torch.randn(2, 16, 2, 64, generator=gen), torch.randn(2, 16, 2, 64, generator=gen)
     return (q.to(device, dtype), k.to(device, dtype), v.to(device, dtype)), {"window": 6}, (0, 1, 2)
 
 

@@ -24,6 +24,13 @@ Two checks per backend, because "can run" and "should be picked" differ on some 
 (default: the same check) says why even a forced request must fail. A backend that works on a device but is
 no choice there, such as a Triton kernel on the CPU (correct only through the slow interpreter, meant for
 tests), gives a looser second check: automatic selection passes it by, ``backend="triton"`` still gets it.
+
+Cases of a call: a kernel may name the case a call falls in (``Kernel.case_of``, e.g. attention's "window" for
+a sliding window shorter than the sequence), and a backend may serve only some cases automatically
+(``skips(case)`` says why it is passed by, e.g. FlexAttention for full causal attention, where SDPA's fused
+causal kernel is faster). The automatic choice is then made, cached and logged per case; a forced backend runs
+for every case. ``Kernel.observe`` records what a backend found out about itself at run time (which SDPA kernel
+torch dispatched to), logged once and shown by ``explain``/``describe``.
 """
 
 from __future__ import annotations
@@ -66,9 +73,20 @@ class KernelUnavailableError(RuntimeError):
 Check = Callable[[torch.device], str | None]
 """Why a backend cannot be used on a device, or None when it can."""
 
+CaseCheck = Callable[[str | None], str | None]
+"""Why automatic selection passes a backend by for a case of a call (None: the backend serves it)."""
+
 
 def _always(_device: torch.device) -> str | None:
     return None
+
+
+def _every_case(_case: str | None) -> str | None:
+    return None
+
+
+def _case_label(case: str | None) -> str:
+    return "" if case is None else f" ({case})"
 
 
 @dataclass(frozen=True)
@@ -79,6 +97,8 @@ class Backend:
     """Why automatic selection skips this backend on ``device`` (None when it may pick it)."""
     unavailable_if_forced: Check | None = None
     """Why this backend cannot run on ``device`` even when forced; None: the same check as ``unavailable``."""
+    skips: CaseCheck = _every_case
+    """Why automatic selection passes this backend by for a case of a call (None when it serves the case)."""
 
     def forced_reason(self, device: torch.device) -> str | None:
         check = self.unavailable if self.unavailable_if_forced is None else self.unavailable_if_forced
@@ -176,19 +196,30 @@ class Kernel:
     name: str
     backends: list[Backend] = field(default_factory=list)
     probe: Probe | None = None
-    _chosen: dict[tuple[str, str | None], Backend] = field(default_factory=dict, repr=False)
+    case_of: Callable[..., str | None] | None = None
+    """``case_of(*args, **kwargs)`` names the case a call falls in (None: the plain case); see ``cases``."""
+    cases: tuple[str, ...] = ()
+    """The named cases ``case_of`` can return, each chosen, cached and described apart from the plain case."""
+    _chosen: dict[tuple[str, str | None, str | None], Backend] = field(default_factory=dict, repr=False)
     _verdicts: dict[tuple[str, str], Verdict] = field(default_factory=dict, repr=False)
+    _observed: dict[tuple[str, str | None], list[str]] = field(default_factory=dict, repr=False)
+    _seen: set[Any] = field(default_factory=set, repr=False)
 
     def register(
-        self, name: str, unavailable: Check = _always, *, unavailable_if_forced: Check | None = None
+        self,
+        name: str,
+        unavailable: Check = _always,
+        *,
+        unavailable_if_forced: Check | None = None,
+        skips: CaseCheck = _every_case,
     ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         """Decorator adding a backend; backends registered first are preferred. See the module docstring for
-        the two checks."""
+        the two checks and for ``skips`` (the cases of a call the backend is not chosen for automatically)."""
 
         def add(fn: Callable[..., Any]) -> Callable[..., Any]:
             if any(b.name == name for b in self.backends):
                 raise ValueError(f"kernel {self.name!r} already has a backend {name!r}")
-            self.backends.append(Backend(name, fn, unavailable, unavailable_if_forced))
+            self.backends.append(Backend(name, fn, unavailable, unavailable_if_forced, skips))
             return fn
 
         return add
@@ -282,12 +313,34 @@ class Kernel:
         )
         return verdict
 
-    def explain(self, device: torch.device | str, backend: str | None = None) -> str:
-        """The backend that runs on ``device`` and what its check found, plus the backends that failed theirs,
-        e.g. "torch (triton failed its check against the torch reference: its output differs ...)"."""
+    def first_time(self, key: Any) -> bool:
+        """True the first time ``key`` is asked about (until ``reset``): a backend's one-off run-time checks."""
+        if key in self._seen:
+            return False
+        self._seen.add(key)
+        return True
+
+    def observe(self, device: torch.device | str, case: str | None, note: str) -> None:
+        """Record (and log, once) what a backend found out at run time for a case of a call on ``device``, e.g.
+        which SDPA kernel torch dispatched to; ``explain`` shows it."""
         device = torch.device(device)
-        chosen = self.select(device, backend)
+        notes = self._observed.setdefault((device.type, case), [])
+        if note not in notes:
+            notes.append(note)
+            log.info("megascale kernel %s on %s%s: %s", self.name, device.type, _case_label(case), note)
+
+    def observations(self, device: torch.device | str, case: str | None = None) -> list[str]:
+        """What was observed at run time on ``device`` for ``case`` (``observe``), oldest first."""
+        return list(self._observed.get((torch.device(device).type, case), []))
+
+    def explain(self, device: torch.device | str, backend: str | None = None, case: str | None = None) -> str:
+        """The backend that runs on ``device`` (for ``case``) and what its check found, plus the backends that
+        failed theirs and what was observed at run time, e.g. "torch (triton failed its check against the torch
+        reference: its output differs ...)"."""
+        device = torch.device(device)
+        chosen = self.select(device, backend, case)
         notes = [] if chosen.name == REFERENCE else [self.verdict(chosen, device).detail]
+        notes += self._observed.get((device.type, case), [])
         notes += [
             f"{b.name} failed its check against the torch reference: {v.detail}"
             for b in self.backends
@@ -295,11 +348,14 @@ class Kernel:
         ]
         return chosen.name + (f" ({'; '.join(notes)})" if notes else "")
 
-    def select(self, device: torch.device | str, backend: str | None = None) -> Backend:
-        """The backend that runs on ``device``: the forced one, else the first available. Cached."""
+    def select(
+        self, device: torch.device | str, backend: str | None = None, case: str | None = None
+    ) -> Backend:
+        """The backend that runs on ``device`` for a call of ``case``: the forced one, else the first available
+        that serves the case. Cached."""
         device = torch.device(device)
         forced, source = (backend, "backend= argument") if backend else _forced_by_env(self)
-        key = (device.type, forced)
+        key = (device.type, forced, None if forced is not None else case)
         chosen = self._chosen.get(key)
         if chosen is not None:
             return chosen
@@ -323,7 +379,7 @@ class Kernel:
         else:
             skipped = []
             for candidate in self.backends:
-                reason = candidate.unavailable(device)
+                reason = candidate.unavailable(device) or candidate.skips(case)
                 if reason is None and not (verdict := self.verdict(candidate, device)).passed:
                     reason = f"failed its check against the torch reference: {verdict.detail}"
                     warnings.warn(
@@ -341,9 +397,10 @@ class Kernel:
             if chosen.name != REFERENCE:
                 notes.append(self.verdict(chosen, device).detail)
             log.info(
-                "megascale kernel %s on %s: %s%s",
+                "megascale kernel %s on %s%s: %s%s",
                 self.name,
                 device.type,
+                _case_label(case),
                 chosen.name,
                 f" ({'; '.join(notes)})" if notes else "",
             )
@@ -352,7 +409,8 @@ class Kernel:
 
     def __call__(self, *args: Any, backend: str | None = None, **kwargs: Any) -> Any:
         device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
-        return self.select(device, backend).fn(*args, **kwargs)
+        case = self.case_of(*args, **kwargs) if self.case_of is not None else None
+        return self.select(device, backend, case).fn(*args, **kwargs)
 
 
 _KERNELS: dict[str, Kernel] = {}
@@ -374,17 +432,22 @@ def reset() -> None:
     for k in _KERNELS.values():
         k._chosen.clear()
         k._verdicts.clear()
+        k._observed.clear()
+        k._seen.clear()
 
 
 def describe(device: torch.device | str = "cpu", *, checks: bool = False) -> dict[str, str]:
-    """Which backend each kernel runs on ``device``, e.g. {"attention": "sdpa", ...}; with ``checks``, also what
-    its check against the reference found and which faster backends failed theirs (``Kernel.explain``)."""
+    """Which backend each kernel runs on ``device``, e.g. {"attention": "sdpa", "attention (window)": "flex",
+    ...} (one entry per named case of a kernel); with ``checks``, also what its check against the reference
+    found, which faster backends failed theirs and what was observed at run time (``Kernel.explain``)."""
     out = {}
     for name, k in sorted(_KERNELS.items()):
-        try:
-            out[name] = k.explain(device) if checks else k.select(device).name
-        except KernelUnavailableError as exc:
-            out[name] = f"error: {exc}"
+        for case in (None, *k.cases):
+            label = name + _case_label(case)
+            try:
+                out[label] = k.explain(device, case=case) if checks else k.select(device, case=case).name
+            except KernelUnavailableError as exc:
+                out[label] = f"error: {exc}"
     return out
 
 
