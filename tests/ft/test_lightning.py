@@ -98,7 +98,7 @@ def test_strategies_with_their_own_checkpoint_engines_are_refused() -> None:
 def test_sigterm_to_the_launcher_is_forwarded_the_ranks_save_and_it_exits_0_without_restart(
     tmp_path: Path,
 ) -> None:
-    # rank 1 sends SIGTERM to the launcher in step 3 (before backward): the launcher forwards it to both ranks,
+    # rank 1 sends SIGTERM to the launcher in step 3's training_step: the launcher forwards it to both ranks,
     # which finish step 3, take FaultTolerance's snapshot of step 4 (committed before the clean end) and exit
     result, report = launch_job(
         tmp_path, SCRIPT, "--steps", "1000", "--every", "1000", "--strategy", "megascale",

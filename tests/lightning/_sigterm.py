@@ -1,5 +1,5 @@
-"""A callback for tests/lightning/test_preemption.py: sends SIGTERM to its own process in the middle of a step
-(before backward, so the step's gradient collectives are still to come) and records what the fit did.
+"""A callback for tests/lightning/test_preemption.py: sends SIGTERM to its own process as a step starts (the
+handler runs at once, with the step's collectives all still to come) and records what the fit did.
 
     callbacks: [{class_path: tests.lightning._sigterm.SignalAt, init_args: {step: 3, ranks: [0]}}]   # YAML
 """
@@ -28,8 +28,10 @@ class SignalAt(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.start = trainer.global_step
 
-    def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: Any) -> None:
-        if trainer.global_step == self.step:
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if trainer.global_step == self.step and self.sent is None:
             self.sent = time.monotonic()
             if trainer.global_rank in self.ranks:
                 os.kill(os.getpid(), signal.SIGTERM)

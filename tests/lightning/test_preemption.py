@@ -4,7 +4,7 @@ is saved where ``--ckpt_path last`` finds it, every process exits 0; the resumed
 Lightning 2.6's own handler broadcast from inside the signal handler, in the middle of the step's gradient
 collectives: every rank then blocked until the collective timeout (30 min by default) and exited 1 with no
 checkpoint. Here the timeout is 60 s, so a regression fails in a minute, not in half an hour.
-The signal comes from a callback (tests/lightning/_sigterm.py) before backward of a given step: first to rank 0
+The signal comes from a callback (tests/lightning/_sigterm.py) as a given step starts: first to rank 0
 only (the launcher process, as `timeout` or `docker stop` send it), then, in the resumed run, to both ranks (as
 Kubernetes, SLURM and torchrun do).
 """

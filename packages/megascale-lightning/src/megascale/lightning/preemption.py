@@ -85,6 +85,7 @@ class PreemptionStop(Callback):
             None  # the step all ranks agreed to stop after (read by ``saves_on_stop``)
         )
         self.saved_to: Path | None = None
+        self._restore: tuple[Any, Any, Any] | None = None  # what the stop changed on the trainer
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -112,9 +113,18 @@ class PreemptionStop(Callback):
                 else f"resume with --ckpt_path {self.saved_to}"
             )
         rank_zero_info(f"MegaScaleStrategy: stopping on SIGTERM: {where}; {resume}")
-        trainer.limit_val_batches = 0  # should_stop would otherwise run a validation before the loop ends
-        trainer.fit_loop.min_epochs = trainer.fit_loop.epoch_loop.min_steps = None  # they would veto the stop
+        # should_stop would otherwise run a validation before the loop ends, and min_epochs/min_steps veto it;
+        # all three are put back in on_train_end, for a validate() after fit
+        loop = trainer.fit_loop
+        self._restore = (trainer.limit_val_batches, loop.min_epochs, loop.epoch_loop.min_steps)
+        trainer.limit_val_batches, loop.min_epochs, loop.epoch_loop.min_steps = 0, None, None
         trainer.should_stop = True
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._restore is not None:
+            loop = trainer.fit_loop
+            trainer.limit_val_batches, loop.min_epochs, loop.epoch_loop.min_steps = self._restore
+            self._restore = None
 
 
 def _checkpoint_dir(trainer: Trainer) -> Path:
