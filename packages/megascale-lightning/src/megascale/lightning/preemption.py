@@ -22,7 +22,8 @@ Bound: from the signal to the exit, the rest of the current optimizer step (all 
 batches), a validation run if one is under way when the signal comes, and one checkpoint write.
 
 Lightning's ``received_sigterm`` stays False, so its per-batch broadcast and ``SIGTERMException`` never fire.
-Lightning's original handlers (and any handler the user had before ``fit``) are restored at teardown. A second
+Lightning's original handlers (and any handler the user had before ``fit``, which is not called during ``fit``)
+are restored at teardown. A second
 SIGTERM is ignored (a forwarded signal may arrive twice); SIGKILL, which schedulers send after their grace
 period, still ends the process.
 """
@@ -81,9 +82,8 @@ class PreemptionStop(Callback):
 
     def __init__(self) -> None:
         self.requested = False  # this rank received SIGTERM (set by the handler)
-        self.stop_step: int | None = (
-            None  # the step all ranks agreed to stop after (read by ``saves_on_stop``)
-        )
+        # the step all ranks agreed to stop after (callbacks with ``saves_on_stop`` read it)
+        self.stop_step: int | None = None
         self.saved_to: Path | None = None
         self._restore: tuple[Any, Any, Any] | None = None  # what the stop changed on the trainer
 
