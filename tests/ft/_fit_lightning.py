@@ -7,7 +7,8 @@ datamodule that resumes at the restored step; dropout draws from each rank's own
 AdamW carries moments and a per-step LR schedule runs: the resumed run ends bit for bit where an uninterrupted
 one does only if weights, optimizer, scheduler, loops, datamodule and every rank's RNG come back exactly.
 Faults fire in the first attempt only (``MEGASCALE_FT_ATTEMPT=0``), at optimizer step STEP on rank RANK:
-``sigkill`` (the process dies in training_step), ``nan`` (its loss is NaN).
+``sigkill`` (the process dies in training_step), ``nan`` (its loss is NaN), ``sigterm`` (SIGTERM to the
+launcher, mid-step; needs ``--strategy megascale``, whose SIGTERM stop saves through FaultTolerance).
 Rank 0 writes OUT.pt: {"weights": final state_dict, "restored_step": the step this attempt resumed from}.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import time
 from typing import Any
 
 import torch
@@ -78,6 +80,14 @@ class Net(LightningModule):
                 os.kill(os.getpid(), signal.SIGKILL)
             if self.kind == "nan":
                 loss = loss * float("nan")
+            if self.kind == "sigterm":  # to the launcher (torchrun's parent), as a scheduler would send it
+                with open(f"/proc/{os.getppid()}/stat") as f:
+                    launcher = int(f.read().rsplit(")", 1)[1].split()[1])
+                os.kill(launcher, signal.SIGTERM)
+                stop = self.trainer.strategy._preemption  # MegaScaleStrategy's SIGTERM stop
+                deadline = time.monotonic() + 60
+                while not stop.requested and time.monotonic() < deadline:  # until the forwarded one arrives,
+                    time.sleep(0.01)  # so the run stops after this very step (the test checks which)
         return loss
 
     def configure_optimizers(self) -> Any:
@@ -93,22 +103,32 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--every", type=int, default=2)
     parser.add_argument("--fault", default="", help="KIND@STEP:RANK, first attempt only")
+    parser.add_argument("--strategy", choices=["ddp", "megascale"], default="ddp")
     args = parser.parse_args()
     torch.set_num_threads(1)
     seed_everything(0)
     model = Net(args.fault)  # the same initial weights on every rank
     torch.manual_seed(100 + int(os.environ.get("RANK", "0")))  # then a different dropout stream per rank
     ft = FaultTolerance(args.ckpt, every_n_steps=args.every, keep_last=2)
+    if args.strategy == "megascale":
+        from megascale.lightning import MegaScaleStrategy
+
+        strategy: Any = MegaScaleStrategy(
+            zero_stage=0, process_group_backend="gloo", timeout=ft.collective_timeout
+        )
+    else:
+        strategy = DDPStrategy(process_group_backend="gloo", timeout=ft.collective_timeout)
     trainer = Trainer(
-        accelerator="cpu", devices=int(os.environ.get("WORLD_SIZE", "1")),
-        strategy=DDPStrategy(process_group_backend="gloo", timeout=ft.collective_timeout),
+        accelerator="cpu", devices=int(os.environ.get("WORLD_SIZE", "1")), strategy=strategy,
         max_steps=args.steps, callbacks=[ft], use_distributed_sampler=False, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
     trainer.fit(model, datamodule=Data())
     if trainer.global_rank == 0:
         weights = {k: v.clone() for k, v in model.state_dict().items()}
-        torch.save({"weights": weights, "restored_step": ft.restored_step}, args.out)
+        torch.save(
+            {"weights": weights, "restored_step": ft.restored_step, "end": trainer.global_step}, args.out
+        )
     finish_and_exit()
 
 

@@ -122,6 +122,8 @@ class FaultTolerance(Callback):
     ``on_train_batch_end`` (their state is captured as this callback sees it).
     """
 
+    saves_on_stop = True  # MegaScaleStrategy's SIGTERM stop leaves the checkpoint to this callback
+
     def __init__(
         self,
         dirpath: str,
@@ -303,7 +305,11 @@ class FaultTolerance(Callback):
         self._losses = []
         assert self.executor is not None
         self.executor.step_done(step, value)  # raises NonFiniteLossError on NaN/inf, after reporting it
-        if trainer.global_step % self.every_n_steps == 0:
+        # MegaScaleStrategy's SIGTERM stop (``PreemptionStop.stop_step``, decided in the same hook before this
+        # one) ends the run at this step: snapshot it (in on_train_end), so the run resumes where it stopped
+        callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]
+        stops = any(getattr(cb, "stop_step", None) == trainer.global_step for cb in callbacks)
+        if trainer.global_step % self.every_n_steps == 0 or stops:
             self._capture = (trainer.global_step, _lightning_state(trainer))
 
     def _snapshot(self, trainer: Trainer) -> None:

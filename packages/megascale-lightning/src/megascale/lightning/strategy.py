@@ -55,7 +55,7 @@ from megascale.core.parallel.mesh import MESH_DIMS, ParallelDims
 from megascale.core.parallel.plan import ParallelPlan
 from megascale.core.parallel.replica_check import ReplicaGuard
 from megascale.core.parallel.wait_timer import ComputeTimer, Timers, WaitTimer, untimed
-from megascale.lightning import checkpoint_io
+from megascale.lightning import checkpoint_io, preemption
 from megascale.lightning.callback_support import check_trainer_features
 from megascale.lightning.memory_check import layout_memory_warning
 from megascale.lightning.pipeline_loop import PipelineLoop
@@ -174,6 +174,7 @@ class MegaScaleStrategy(ParallelStrategy):
         self._rng_to_restore: dict[str, Any] | None = None  # dropout streams of a resumed checkpoint
         self._wait_timer: WaitTimer | None = None
         self._memory_checked = False  # the planner's memory check runs at the first training batch
+        self._preemption: preemption.PreemptionStop | None = None
 
     # ---- layout -------------------------------------------------------------------------------------
 
@@ -334,6 +335,7 @@ class MegaScaleStrategy(ParallelStrategy):
             if self._runtime.pipeline is not None:
                 self._pipeline_loop = PipelineLoop(self._runtime.pipeline, self.model)
         self.barrier()
+        self._preemption = preemption.install(trainer)  # SIGTERM: finish the step, save, exit 0
         if trainer.state.fn == TrainerFn.FITTING:
             assert self.lightning_module is not None
             check_trainer_features(trainer, self.lightning_module, self.dims, self.zero_stage)
