@@ -21,7 +21,15 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-__all__ = ["children", "descendants", "kill_tree", "pid_alive", "same_process", "signal_recorded", "start_time"]
+__all__ = [
+    "children",
+    "descendants",
+    "kill_tree",
+    "pid_alive",
+    "same_process",
+    "signal_recorded",
+    "start_time",
+]
 
 log = logging.getLogger("megascale.ft")
 
