@@ -9,7 +9,6 @@ group down. A worker that fails writes its traceback, and the parent raises with
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import pickle
 import sys
@@ -20,6 +19,8 @@ from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, NoReturn
+
+from tests import _forkserver
 
 COLLECTIVE_TIMEOUT_S = 60
 
@@ -70,9 +71,11 @@ def finish_and_exit() -> NoReturn:
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return each rank's result.
 
-    ``fn`` must be a module-level function of an importable module (spawned children import it by name).
+    ``fn`` must be a module-level function of an importable module (children import it by name). Ranks are
+    forked from a server that imported torch once (tests/_forkserver.py), not spawned: starting them was
+    most of what distributed tests cost.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _forkserver.context()
     with tempfile.TemporaryDirectory(prefix="megascale-dist-") as workdir:
         env_threads = os.environ.get("OMP_NUM_THREADS")
         os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the children before torch is imported there
