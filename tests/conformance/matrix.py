@@ -12,8 +12,6 @@ under one layout and resumed under another. Launches, in order (a resume needs i
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +19,7 @@ from typing import Any
 import torch
 
 from tests.conformance.scenarios import LAYOUT, LAYOUTS, SCENARIOS, Layout, resume_pairs
-from tests.lightning._launch import ROOT, clean_env, free_port
+from tests.lightning._launch import run_ranks
 
 LAUNCH_TIMEOUT_S = 1800
 
@@ -113,18 +111,12 @@ def _launch_once(cells: list[Cell], world: int, out: Path, name: str) -> None:
                          resume_from=resume, work=str(out / "work" / cell.id)))  # fmt: skip
     spec = out / f"{name}.json"
     spec.write_text(json.dumps({"jobs": jobs}))
-    runner = ["-m", "tests.conformance.runner", str(spec), str(out)]
-    if world == 1:
-        command = [sys.executable, *runner]
-    else:
-        command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}",
-                   "--master-addr=127.0.0.1", f"--master-port={free_port()}", *runner]  # fmt: skip
+    logs = [out / f"{name}.rank{rank}.log" for rank in range(world)]
+    codes = run_ranks("tests.conformance.runner:main", [str(spec), str(out)], world, logs, LAUNCH_TIMEOUT_S)
     log = out / f"{name}.log"
-    with log.open("w") as f:
-        proc = subprocess.run(command, env=clean_env(), cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
-                              timeout=LAUNCH_TIMEOUT_S, check=False)  # fmt: skip
-    if proc.returncode != 0:
-        (out / f"{name}.failed").write_text(f"exit {proc.returncode}; see {log}")
+    log.write_text("".join(f"--- rank {r} ---\n{p.read_text(errors='replace')}" for r, p in enumerate(logs)))
+    if any(code != 0 for code in codes):
+        (out / f"{name}.failed").write_text(f"exit codes {codes}; see {log}")
 
 
 def result(cell: Cell, out: Path) -> dict[str, Any]:

@@ -1,7 +1,9 @@
-"""Runs conformance cells: one process (the reference) or the ranks of one torchrun launch (the layouts).
+"""Runs conformance cells: one process (the reference) or the ranks of one launch (the layouts).
 
     python -m tests.conformance.runner SPEC.json OUT_DIR                       # the reference, one process
     python -m torch.distributed.run --nproc-per-node 2 -m tests.conformance.runner SPEC.json OUT_DIR
+
+(tests/conformance/matrix.py forks the ranks with torchrun's environment instead: tests/lightning/_launch.py.)
 
 SPEC.json: {"jobs": [{"cell", "scenario", "seed", "layout" (None: the one-process reference),
 "resume_from" (a checkpoint, or None), "work" (a directory for this cell's checkpoints)}]}. Every job is a

@@ -10,6 +10,7 @@ others are killed. Each rank's output goes to a log file, whose tail a failure r
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import socket
@@ -46,8 +47,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank(env: dict[str, str], log: str, spec: str, out: str) -> None:
-    """A forked rank: torchrun's environment, output to its log, then the worker."""
+def _rank(env: dict[str, str], log: str, main: str, args: tuple[str, ...]) -> None:
+    """A forked rank: torchrun's environment, output to its log, then ``main`` ("module:function")."""
     os.environ.clear()
     os.environ.update(env)
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -55,9 +56,8 @@ def _rank(env: dict[str, str], log: str, spec: str, out: str) -> None:
     os.dup2(fd, 2)
     os.chdir(ROOT)
     torch.set_num_threads(1)
-    from tests.lightning import _fit_worker
-
-    _fit_worker.main(spec, out)
+    module, function = main.split(":")
+    getattr(importlib.import_module(module), function)(*args)
 
 
 def _rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
@@ -70,15 +70,16 @@ def _rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
     return env
 
 
-def fit(jobs: list[dict[str, Any]], world_size: int, tmp_path: Path, timeout: float = 300) -> dict[str, Any]:
-    """Run ``jobs`` on ``world_size`` CPU ranks; return rank 0's results (see _fit_worker)."""
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    spec, out = tmp_path / f"spec-{world_size}.json", tmp_path / f"out-{world_size}.pt"
-    spec.write_text(json.dumps({"jobs": jobs}))
+def run_ranks(
+    main: str, args: list[str], world_size: int, logs: list[Path], timeout: float
+) -> list[int | None]:
+    """Run ``main`` ("module:function", called with ``args``) on ``world_size`` forked ranks, rank r's output
+    to ``logs[r]``; return the exit codes (None: killed at the timeout)."""
     ctx, port = _forkserver.context(), free_port()
-    logs = [tmp_path / f"rank{rank}-{world_size}.log" for rank in range(world_size)]
     procs = [
-        ctx.Process(target=_rank, args=(_rank_env(rank, world_size, port), str(logs[rank]), str(spec), str(out)))
+        ctx.Process(
+            target=_rank, args=(_rank_env(rank, world_size, port), str(logs[rank]), main, tuple(args))
+        )
         for rank in range(world_size)
     ]
     for p in procs:
@@ -88,12 +89,22 @@ def fit(jobs: list[dict[str, Any]], world_size: int, tmp_path: Path, timeout: fl
         if any(p.exitcode not in (None, 0) for p in procs):
             break  # as torchrun: one rank failed, the others are ended
         time.sleep(0.05)
+    timed_out = [p.is_alive() for p in procs]
     for p in procs:
         if p.is_alive():
             p.kill()
         p.join()
-    codes = [p.exitcode for p in procs]
-    if any(codes) or not out.exists():
+    return [None if late else p.exitcode for p, late in zip(procs, timed_out)]
+
+
+def fit(jobs: list[dict[str, Any]], world_size: int, tmp_path: Path, timeout: float = 300) -> dict[str, Any]:
+    """Run ``jobs`` on ``world_size`` CPU ranks; return rank 0's results (see _fit_worker)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    spec, out = tmp_path / f"spec-{world_size}.json", tmp_path / f"out-{world_size}.pt"
+    spec.write_text(json.dumps({"jobs": jobs}))
+    logs = [tmp_path / f"rank{rank}-{world_size}.log" for rank in range(world_size)]
+    codes = run_ranks("tests.lightning._fit_worker:main", [str(spec), str(out)], world_size, logs, timeout)
+    if any(code != 0 for code in codes) or not out.exists():
         tails = "\n".join(f"--- rank {r} (exit {c}) ---\n{_tail(logs[r])}" for r, c in enumerate(codes))
         raise RuntimeError(f"fit failed (exit codes {codes}):\n{tails}")
     return torch.load(out, weights_only=True)
