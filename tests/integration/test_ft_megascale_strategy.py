@@ -36,8 +36,13 @@ LAYOUTS = {  # name: (ranks, script arguments)
 DATA = ["--every", "3", "--max-bytes", "210"]
 
 
+# tp2×pp2 restores tensor- and pipeline-split layers, dp2/zero1 the optimizer state ZeRO shards; the other
+# layouts' checkpoints are what these are made of (and resume across layouts: tests/conformance)
+KILLED = ["tp2xpp2", "dp2/zero1"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", KILLED)
 def test_a_killed_rank_restarts_and_the_fit_ends_bitwise_equal(tmp_path: Path, layout: str) -> None:
     ranks, args = LAYOUTS[layout]
     reference, report = launch_fit(tmp_path / "uninterrupted", SCRIPT, *args, *DATA, ranks=ranks)
