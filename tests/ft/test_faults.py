@@ -62,7 +62,9 @@ def test_a_fault_is_detected_and_the_restarted_run_ends_bitwise_equal(fault, uni
     if kind == "hung":  # every rank's stacks were taken before the kill; the frozen rank is named
         stacks = first["fault"]["stacks"]
         assert list(stacks["suspects"]) == [str(rank)], stacks
-        assert "ft_ddp.py" in stacks["suspects"][str(rank)], stacks  # the frame it was frozen in
+        # frozen inside the training script's calls: its stack (the innermost frame is wherever SIGSTOP landed,
+        # a library's under load: contextlib's once in CI)
+        assert "ft_ddp.py" in Path(stacks["files"][str(rank)]).read_text(), stacks
         assert all(Path(f).is_file() for f in stacks["files"].values()) and len(stacks["files"]) == 2
         assert f"rank {rank} differs, in" in output
     if skipped is not None:  # the damaged newest checkpoint was passed over for the one before it

@@ -18,8 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from megascale.ft.checkpoint import TwoStageCheckpointer
-from tests.ft._launch import launch_fit, launch_job
+from tests.ft._launch import launch_fit
 
 SCRIPT = "tests/ft/_fit_lightning.py"
 
@@ -93,18 +92,3 @@ def test_strategies_with_their_own_checkpoint_engines_are_refused() -> None:
     _check_strategy(DDPStrategy())
     with pytest.raises(ValueError, match="FaultTolerance does not support ModelParallelStrategy"):
         _check_strategy(ModelParallelStrategy())
-
-
-def test_sigterm_to_the_launcher_is_forwarded_the_ranks_save_and_it_exits_0_without_restart(
-    tmp_path: Path,
-) -> None:
-    # rank 1 sends SIGTERM to the launcher in step 3's training_step: the launcher forwards it to both ranks,
-    # which finish step 3, take FaultTolerance's snapshot of step 4 (committed before the clean end) and exit
-    result, report = launch_job(
-        tmp_path, SCRIPT, "--steps", "1000", "--every", "1000", "--strategy", "megascale",
-        "--fault", "sigterm@3:1", max_restarts=2,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-6000:]
-    assert report["ok"] and len(report["attempts"]) == 1 and "stopped by SIGTERM" in report["reason"]
-    assert torch.load(tmp_path / "out.pt", weights_only=True)["end"] == 4
-    assert TwoStageCheckpointer(str(tmp_path / "ckpt")).latest() == 4  # committed, whole, where it stopped
