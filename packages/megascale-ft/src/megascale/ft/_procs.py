@@ -15,7 +15,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-__all__ = ["children", "descendants", "kill_tree", "pid_alive"]
+__all__ = ["descendants", "kill_tree", "pid_alive"]
 
 
 def _children_map() -> dict[int, list[int]]:
@@ -30,11 +30,6 @@ def _children_map() -> dict[int, list[int]]:
         ppid = int(stat.rsplit(")", 1)[1].split()[1])  # the command name may hold spaces and parentheses
         children.setdefault(ppid, []).append(int(entry.name))
     return children
-
-
-def children(pid: int) -> list[int]:
-    """The processes whose parent is ``pid`` (Linux /proc)."""
-    return _children_map().get(pid, [])
 
 
 def descendants(pid: int) -> list[int]:
