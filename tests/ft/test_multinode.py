@@ -133,11 +133,6 @@ def test_a_whole_node_lost_is_named_and_its_replacement_joins_the_restart(uninte
     _assert_equal(tmp_path / "out.pt", uninterrupted)
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="REGRESSION to investigate first (2026-11-26): passes at d34e729 with the "
-    "same megascale-ft code, fails since (report['evicted'] empty); see the session note",
-)
 def test_a_node_failing_its_self_check_is_evicted_and_a_spare_takes_its_place(uninterrupted, tmp_path):
     results, report = _nodes(
         tmp_path, ["0", "1", "spare"], self_check=True,

@@ -225,6 +225,7 @@ class ClusterDriver:
         c = self.config
         deadline = time.time() + c.node_timeout
         checks: dict[str, dict[str, Any]] = {}
+        quorum_at: float | None = None  # when enough nodes had passed their checks
         while True:
             live = self._live()
             if c.self_check:
@@ -242,7 +243,13 @@ class ClusterDriver:
                 pending = [n for n in live if n not in checks]
             else:
                 healthy, pending = live, []
-            if len(healthy) >= c.nnodes or (time.time() > deadline and not pending):
+            if len(healthy) >= c.nnodes:
+                # the checks still running are waited for (a self-check timeout at most), so a node that
+                # fails its check is evicted and named whatever the order in which the checks end
+                quorum_at = quorum_at or time.time()
+                if not pending or time.time() > quorum_at + c.self_check_timeout:
+                    break
+            elif time.time() > deadline and not pending:
                 break
             if time.time() > deadline + c.self_check_timeout:
                 break  # checks that never report: their nodes stay out
