@@ -21,9 +21,11 @@ PRELOAD = [
     "torch.distributed",
     "torch.distributed.tensor",
     "torch.distributed.checkpoint",
-    "megascale.core",
+    "megascale.core.model",  # the packages' __init__s import lazily: name the modules that carry the weight
+    "megascale.core.parallel",
     "lightning.pytorch",
-    "megascale.lightning",
+    "megascale.lightning.strategy",
+    "megascale.lightning.module",
 ]
 
 

@@ -5,23 +5,36 @@ model = GPT(GPTConfig(vocab_size=256, d_model=256, n_layers=4, n_heads=4))
 loss = model(tokens, targets)
 """
 
-from importlib.metadata import PackageNotFoundError, version
+from __future__ import annotations
 
-from megascale.core.config import GPTConfig
-from megascale.core.model import GPT, flops_per_token, generate
-from megascale.core.parallel import apply_activation_checkpointing, apply_tensor_parallel
+from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING
+
+from megascale.core._lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from megascale.core.config import GPTConfig as GPTConfig
+    from megascale.core.model import GPT as GPT
+    from megascale.core.model import flops_per_token as flops_per_token
+    from megascale.core.model.generate import generate as generate
+    from megascale.core.parallel import apply_activation_checkpointing as apply_activation_checkpointing
+    from megascale.core.parallel import apply_tensor_parallel as apply_tensor_parallel
 
 try:
     __version__ = version("megascale-core")
 except PackageNotFoundError:  # running from a source tree that is not installed
     __version__ = "0.0.0+unknown"
 
-__all__ = [
-    "GPT",
-    "GPTConfig",
-    "__version__",
-    "apply_activation_checkpointing",
-    "apply_tensor_parallel",
-    "flops_per_token",
-    "generate",
-]
+# Imported on first use (PEP 562), so a submodule that needs no torch (the console scripts' error helper, the
+# planner's tables) is cheap to import: `megascale --help` answers without importing torch.
+_LAZY = {
+    "GPT": "megascale.core.model",
+    "GPTConfig": "megascale.core.config",
+    "apply_activation_checkpointing": "megascale.core.parallel",
+    "apply_tensor_parallel": "megascale.core.parallel",
+    "flops_per_token": "megascale.core.model",
+    "generate": "megascale.core.model.generate",
+}
+__all__ = ["__version__", *_LAZY]
+
+lazy_exports(__name__, _LAZY)

@@ -33,12 +33,7 @@ import difflib
 import os
 import sys
 from pathlib import Path
-from typing import Any
-
-from jsonargparse import DefaultHelpFormatter
-from lightning.fabric.utilities.exceptions import MisconfigurationException
-from lightning.pytorch import LightningDataModule
-from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
+from typing import TYPE_CHECKING, Any
 
 from megascale.core.cli_errors import (
     TRACEBACK_ENV,
@@ -47,11 +42,16 @@ from megascale.core.cli_errors import (
     pop_traceback_flag,
     report_user_errors,
 )
-from megascale.core.plan.cli import EXAMPLES as PLAN_EXAMPLES
+from megascale.core.plan.examples import EXAMPLES as PLAN_EXAMPLES
 from megascale.lightning import configs
-from megascale.lightning.data import TokenDataModule
-from megascale.lightning.module import GPTModule
 
+if TYPE_CHECKING:
+    from lightning.pytorch.cli import ArgsType
+
+    from megascale.lightning.lightning_cli import MegaScaleCLI as MegaScaleCLI
+
+# Lightning (with torch, ~10 s of CPU) is imported only by fit/validate/test/predict (megascale.lightning.
+# lightning_cli): `megascale --help`, `configs` and a mistyped command answer at once.
 __all__ = ["TRAINER_DEFAULTS", "MegaScaleCLI", "main"]
 
 TRAINER_DEFAULTS: dict[str, Any] = {
@@ -98,13 +98,6 @@ EXAMPLES: dict[str, str] = {
 }
 
 
-class _Formatter(DefaultHelpFormatter):
-    """jsonargparse's help, with the description and epilog (the examples) printed as written."""
-
-    def _fill_text(self, text: str, width: int, indent: str) -> str:
-        return "".join(indent + line for line in text.splitlines(keepends=True))
-
-
 def _subcommand_help(name: str) -> dict[str, Any]:
     return {"epilog": "examples:\n" + EXAMPLES[name] + "\n"}
 
@@ -132,15 +125,6 @@ def _did_you_mean(value: str, choices: Any, suffix: str = "") -> str:
     stems = {c.removesuffix(suffix): c for c in choices}
     close = difflib.get_close_matches(value.removesuffix(suffix), list(stems), n=1, cutoff=0.6)
     return f" (did you mean {stems[close[0]]!r}?)" if close else ""
-
-
-class MegaScaleCLI(LightningCLI):
-    """LightningCLI over GPTModule whose data module defaults to TokenDataModule (any subclass may be given)."""
-
-    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        parser.set_defaults(
-            {"data": {"class_path": f"{TokenDataModule.__module__}.{TokenDataModule.__name__}"}}
-        )
 
 
 def _resolve_configs(argv: list[str]) -> list[str]:
@@ -195,21 +179,9 @@ def _lightning(args: ArgsType, from_command_line: bool) -> None:
             args = None
         else:
             args = resolved
-    MegaScaleCLI(
-        GPTModule,
-        LightningDataModule,  # any data module; TokenDataModule by default (add_arguments_to_parser)
-        subclass_mode_data=True,
-        save_config_kwargs={"overwrite": True},
-        seed_everything_default=0,
-        trainer_defaults=TRAINER_DEFAULTS,
-        auto_configure_optimizers=False,
-        # jsonargparse gives subcommands the main parser's formatter: set it there
-        parser_kwargs={
-            "formatter_class": _Formatter,
-            **{n: _subcommand_help(n) for n in LIGHTNING_SUBCOMMANDS},
-        },
-        args=args,
-    )
+    from megascale.lightning.lightning_cli import run_lightning_cli  # a missing --config said before this
+
+    run_lightning_cli(args, TRAINER_DEFAULTS, {n: _subcommand_help(n) for n in LIGHTNING_SUBCOMMANDS})
 
 
 def _dispatch(argv: ArgsType, from_command_line: bool) -> int:
@@ -254,10 +226,17 @@ def main(args: ArgsType = None) -> int:
     prog = "megascale"
     if isinstance(argv, list) and argv and argv[0] in SUBCOMMANDS:
         prog += f" {argv[0]}"
-    errors = (*USER_ERRORS, MisconfigurationException)
     return report_user_errors(
-        prog, lambda: _dispatch(argv, from_command_line), traceback=traceback, user_errors=errors
+        prog, lambda: _dispatch(argv, from_command_line), traceback=traceback, user_errors=USER_ERRORS
     )
+
+
+def __getattr__(name: str) -> Any:
+    if name == "MegaScaleCLI":  # the LightningCLI subclass, imported with Lightning on first use
+        from megascale.lightning.lightning_cli import MegaScaleCLI
+
+        return MegaScaleCLI
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 if __name__ == "__main__":

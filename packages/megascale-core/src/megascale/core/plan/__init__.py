@@ -11,51 +11,71 @@ plans as the GPTConfig it converts to; a module of your own plans its memory fro
 ``tensor_parallel_plan`` and one measured micro-batch (``module.py``: ``module_memory``).
 """
 
-from megascale.core.plan.activations import ActivationModel
-from megascale.core.plan.check import memory_warning
-from megascale.core.plan.cluster import (
-    A100_80GB,
-    GPUS,
-    H100_SXM,
-    H200,
-    MATMUL_EFFICIENCY,
-    ClusterSpec,
-    GPUSpec,
-    gpu_spec,
-)
-from megascale.core.plan.layout import OPTIMIZER_STATES, Kernels, Layout, Runtime, Workload
-from megascale.core.plan.memory import MemoryEstimate, RankMemory, predict_memory, rank_memory
-from megascale.core.plan.module import RankMemoryOfModule, measure_activations, module_memory
-from megascale.core.plan.search import Candidate, Fixed, enumerate_layouts, search
-from megascale.core.plan.throughput import StepEstimate, predict_step
+from __future__ import annotations
 
-__all__ = [
-    "A100_80GB",
-    "GPUS",
-    "H100_SXM",
-    "H200",
-    "MATMUL_EFFICIENCY",
-    "OPTIMIZER_STATES",
-    "ActivationModel",
-    "Candidate",
-    "ClusterSpec",
-    "Fixed",
-    "GPUSpec",
-    "Kernels",
-    "Layout",
-    "MemoryEstimate",
-    "RankMemory",
-    "RankMemoryOfModule",
-    "Runtime",
-    "StepEstimate",
-    "Workload",
-    "enumerate_layouts",
-    "gpu_spec",
-    "measure_activations",
-    "memory_warning",
-    "module_memory",
-    "predict_memory",
-    "predict_step",
-    "rank_memory",
-    "search",
-]
+from typing import TYPE_CHECKING
+
+from megascale.core._lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from megascale.core.plan.activations import ActivationModel as ActivationModel
+    from megascale.core.plan.check import memory_warning as memory_warning
+    from megascale.core.plan.cluster import A100_80GB as A100_80GB
+    from megascale.core.plan.cluster import GPUS as GPUS
+    from megascale.core.plan.cluster import H100_SXM as H100_SXM
+    from megascale.core.plan.cluster import H200 as H200
+    from megascale.core.plan.cluster import MATMUL_EFFICIENCY as MATMUL_EFFICIENCY
+    from megascale.core.plan.cluster import ClusterSpec as ClusterSpec
+    from megascale.core.plan.cluster import GPUSpec as GPUSpec
+    from megascale.core.plan.cluster import gpu_spec as gpu_spec
+    from megascale.core.plan.layout import OPTIMIZER_STATES as OPTIMIZER_STATES
+    from megascale.core.plan.layout import Kernels as Kernels
+    from megascale.core.plan.layout import Layout as Layout
+    from megascale.core.plan.layout import Runtime as Runtime
+    from megascale.core.plan.layout import Workload as Workload
+    from megascale.core.plan.memory import MemoryEstimate as MemoryEstimate
+    from megascale.core.plan.memory import RankMemory as RankMemory
+    from megascale.core.plan.memory import predict_memory as predict_memory
+    from megascale.core.plan.memory import rank_memory as rank_memory
+    from megascale.core.plan.module import RankMemoryOfModule as RankMemoryOfModule
+    from megascale.core.plan.module import measure_activations as measure_activations
+    from megascale.core.plan.module import module_memory as module_memory
+    from megascale.core.plan.search import Candidate as Candidate
+    from megascale.core.plan.search import Fixed as Fixed
+    from megascale.core.plan.search import enumerate_layouts as enumerate_layouts
+    from megascale.core.plan.search import search as search
+    from megascale.core.plan.throughput import StepEstimate as StepEstimate
+    from megascale.core.plan.throughput import predict_step as predict_step
+
+_LAZY = {
+    "A100_80GB": "megascale.core.plan.cluster",
+    "ActivationModel": "megascale.core.plan.activations",
+    "Candidate": "megascale.core.plan.search",
+    "ClusterSpec": "megascale.core.plan.cluster",
+    "Fixed": "megascale.core.plan.search",
+    "GPUS": "megascale.core.plan.cluster",
+    "GPUSpec": "megascale.core.plan.cluster",
+    "H100_SXM": "megascale.core.plan.cluster",
+    "H200": "megascale.core.plan.cluster",
+    "Kernels": "megascale.core.plan.layout",
+    "Layout": "megascale.core.plan.layout",
+    "MATMUL_EFFICIENCY": "megascale.core.plan.cluster",
+    "MemoryEstimate": "megascale.core.plan.memory",
+    "OPTIMIZER_STATES": "megascale.core.plan.layout",
+    "RankMemory": "megascale.core.plan.memory",
+    "RankMemoryOfModule": "megascale.core.plan.module",
+    "Runtime": "megascale.core.plan.layout",
+    "StepEstimate": "megascale.core.plan.throughput",
+    "Workload": "megascale.core.plan.layout",
+    "enumerate_layouts": "megascale.core.plan.search",
+    "gpu_spec": "megascale.core.plan.cluster",
+    "measure_activations": "megascale.core.plan.module",
+    "memory_warning": "megascale.core.plan.check",
+    "module_memory": "megascale.core.plan.module",
+    "predict_memory": "megascale.core.plan.memory",
+    "predict_step": "megascale.core.plan.throughput",
+    "rank_memory": "megascale.core.plan.memory",
+    "search": "megascale.core.plan.search",
+}
+__all__ = list(_LAZY)
+lazy_exports(__name__, _LAZY)

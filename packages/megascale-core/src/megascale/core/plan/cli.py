@@ -23,19 +23,13 @@ from megascale.core.cli_errors import UserError, report_user_errors
 from megascale.core.config import GPTConfig
 from megascale.core.parallel.plan import SCHEDULES
 from megascale.core.plan.cluster import GPUS, ClusterSpec, gpu_spec
+from megascale.core.plan.examples import EXAMPLES
 from megascale.core.plan.layout import OPTIMIZER_STATES, Kernels, Workload
 from megascale.core.plan.presets import PRESETS, load_model
 from megascale.core.plan.search import Candidate, Fixed, search
 from megascale.core.plan.shapes import stages_of_rank
 
 __all__ = ["EXAMPLES", "main"]
-
-EXAMPLES = """\
-  megascale plan --model llama3-8b --gpus 16 --global-batch 64 --seq-len 4096     # a preset, default --gpu h100
-  megascale plan --model config.json --gpus 64 --gpu a100 --global-batch 512 --tp 8 --pp 2   # parts fixed
-  megascale plan --hidden 4096 --layers 32 --heads 32 --vocab 32000 --gpus 16 --global-batch 64
-  megascale plan --model llama3-8b --gpus 16 --global-batch 64 --emit-config run.yaml --cpu-trial trial.yaml
-  megascale plan --calibrate                                                  # this machine's figures"""
 
 _GB = 1e9
 
