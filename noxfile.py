@@ -1,12 +1,17 @@
 """Sessions for the megascale monorepo.
 
-    nox                 what CI runs: lint, typecheck, each package's tests with that package installed
-                        alone (the à-la-carte proof), docs
-    nox -s tests        every package installed together, every test
-    nox -s core         megascale-core alone (likewise lightning, data, ft)
+    nox                 what CI runs: lint, each package's tests with that package installed alone (the
+                        à-la-carte proof; the conformance matrix with megascale-lightning's), the tests that
+                        need several packages and the type check (all installed together), docs. The CI tier:
+                        tests marked ``slow`` are left out (see below)
+    nox -s slow         the slow tier, all packages installed together: what repeats a feature the CI tier
+                        proves, under more layouts or faults, or runs an example end to end for minutes
+    nox -s tests        every package installed together, both tiers
+    nox -s core         megascale-core alone (likewise lightning, data, ft), CI tier
     nox -s integration  all packages together, the tests that need several (megascale-ft on MegaScaleStrategy)
     nox -s conformance  Lightning's contract: every scenario x layout against one process (``-- --seeds 50``
                         draws 50 model shapes per cell instead of 1)
+    nox -s typecheck    mypy alone (CI runs it in the integration session, whose environment has everything)
     nox -s demo         the main job: a real training run on the embedded default data
     nox -s benchmarks   print each benchmark's figures (slow; not part of CI)
 
@@ -16,11 +21,20 @@ here; without the pin pip would resolve a multi-GB CUDA build. The packages them
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import nox
 
-SESSIONS = ["lint", "typecheck", "core", "lightning", "data", "ft", "integration", "conformance", "docs"]
+# Installs skip byte-compiling (--no-compile, below); Python then compiles what a test imports on first import
+# and caches it, unless PYTHONDONTWRITEBYTECODE is set (it is on some CI images): then every rank process of
+# every test compiled torch and Lightning from source again (importing Lightning: 34 s instead of 14 s here).
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+
+SESSIONS = ["lint", "core", "lightning", "data", "ft", "integration", "docs"]
+# CI's tier: a test marked slow repeats what another proves (more layouts, more faults) or runs minutes of an
+# example; `nox -s slow` runs them. CI must stay under 40 minutes on 2 cores.
+CI_TIER = ["-m", "not slow"]
 nox.options.sessions = SESSIONS
 nox.options.error_on_missing_interpreters = True
 
@@ -55,10 +69,15 @@ def _install(session: nox.Session, *requirements: str) -> None:
         session.install("--no-compile", "-c", CONSTRAINTS, *requirements)
 
 
-def _pytest(session: nox.Session, *paths: str) -> None:
+def _pytest(session: nox.Session, *args: str) -> None:
     # No pytest-xdist: on 2 cores the suites compute as much as they wait (every rank process imports torch and
     # Lightning); two test files at once made the fault tests slower (ft: 18 min against 11) and flaky.
-    session.run("python", "-m", "pytest", *paths, *session.posargs, env={"PYTHONHASHSEED": "0"})
+    session.run("python", "-m", "pytest", *args, *session.posargs, env={"PYTHONHASHSEED": "0"})
+
+
+def _mypy(session: nox.Session) -> None:
+    packages = ["megascale.core", "megascale.lightning", "megascale.data", "megascale.ft"]
+    session.run("mypy", *(arg for name in packages for arg in ("-p", name)))
 
 
 def _package_session(name: str) -> None:
@@ -68,7 +87,9 @@ def _package_session(name: str) -> None:
         # it from the tree first, exactly as its requirement pins it.
         local_deps = ["packages/megascale-core"] if name == "lightning" else []
         _install(session, *local_deps, PACKAGES[name], *TEST_DEPS, *EXTRA_TEST_DEPS[name])
-        _pytest(session, f"tests/{name}", "tests/test_packaging.py")
+        # the conformance matrix needs exactly megascale-lightning's environment: run it here, one install less
+        paths = [f"tests/{name}", *(["tests/conformance"] if name == "lightning" else [])]
+        _pytest(session, *CI_TIER, *paths, "tests/test_packaging.py")
 
     run.__doc__ = f"megascale-{name} installed alone with its declared dependencies; its tests."
 
@@ -81,15 +102,25 @@ for _name in PACKAGES:
 def tests(session: nox.Session) -> None:
     """All packages together, all tests."""
     deps = [dep for name in PACKAGES for dep in EXTRA_TEST_DEPS[name]]
-    _install(session, "packages/megascale-core", *PACKAGES.values(), *TEST_DEPS, *deps)
+    _install(session, "packages/megascale-core", *PACKAGES.values(), *TEST_DEPS, *deps, *BENCH_DEPS)
     _pytest(session, "tests")
 
 
 @nox.session
+def slow(session: nox.Session) -> None:
+    """The slow tier (tests marked slow), every package installed together."""
+    deps = [dep for name in PACKAGES for dep in EXTRA_TEST_DEPS[name]]
+    _install(session, "packages/megascale-core", *PACKAGES.values(), *TEST_DEPS, *deps, *BENCH_DEPS)
+    _pytest(session, "-m", "slow", "tests")
+
+
+@nox.session
 def integration(session: nox.Session) -> None:
-    """All four packages installed together; the tests that need several of them (tests/integration)."""
-    _install(session, "packages/megascale-core", *PACKAGES.values(), *TEST_DEPS, *BENCH_DEPS)
-    _pytest(session, "tests/integration")
+    """All four packages installed together: the type check, and the tests that need several packages
+    (tests/integration), CI tier."""
+    _install(session, "packages/megascale-core", *PACKAGES.values(), *TEST_DEPS, *BENCH_DEPS, "mypy>=1.10")
+    _mypy(session)
+    _pytest(session, *CI_TIER, "tests/integration")
 
 
 @nox.session
@@ -97,7 +128,7 @@ def conformance(session: nox.Session) -> None:
     """The conformance matrix (tests/conformance): megascale-lightning and megascale-core installed alone, every
     Lightning scenario under every layout against one process; docs/guides/guarantees.md is its table."""
     _install(session, "packages/megascale-core", PACKAGES["lightning"], *TEST_DEPS)
-    _pytest(session, "tests/conformance")
+    _pytest(session, *CI_TIER, "tests/conformance")
 
 
 @nox.session
@@ -113,17 +144,7 @@ def lint(session: nox.Session) -> None:
 def typecheck(session: nox.Session) -> None:
     """mypy over the public packages."""
     _install(session, "packages/megascale-core", *PACKAGES.values(), "mypy>=1.10")
-    session.run(
-        "mypy",
-        "-p",
-        "megascale.core",
-        "-p",
-        "megascale.lightning",
-        "-p",
-        "megascale.data",
-        "-p",
-        "megascale.ft",
-    )
+    _mypy(session)
 
 
 @nox.session

@@ -38,10 +38,10 @@ DATA = ["--every", "3", "--max-bytes", "210"]
 
 # tp2×pp2 restores tensor- and pipeline-split layers, dp2/zero1 the optimizer state ZeRO shards; the other
 # layouts' checkpoints are what these are made of (and resume across layouts: tests/conformance)
-KILLED = ["tp2xpp2", "dp2/zero1"]
+# (CI tier: dp2/zero1; tests/integration/test_main_job.py kills a rank of the main job under tp2×pp2 there)
+KILLED = [pytest.param("tp2xpp2", marks=pytest.mark.slow), "dp2/zero1"]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("layout", KILLED)
 def test_a_killed_rank_restarts_and_the_fit_ends_bitwise_equal(tmp_path: Path, layout: str) -> None:
     ranks, args = LAYOUTS[layout]
@@ -79,8 +79,9 @@ STRAGGLERS: dict[str, tuple[int, str, list[str], list[str]]] = {
 }
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("layout", list(STRAGGLERS))
+@pytest.mark.parametrize(
+    "layout", [layout if layout == "pp2" else pytest.param(layout, marks=pytest.mark.slow) for layout in STRAGGLERS]
+)  # CI tier: pp2
 def test_a_slow_rank_is_named_a_straggler_while_its_peers_wait(tmp_path: Path, layout: str) -> None:
     """One rank sleeps 0.2 s in every training step from step 2; its peers wait for it — in the gradient
     reduction (dp2), in the pipeline's receives (pp2, the first stage slow), in the tensor-parallel

@@ -7,12 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.slow
 def test_smoke_run_fills_every_part_of_the_table() -> None:
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--smoke"],

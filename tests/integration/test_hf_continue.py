@@ -40,6 +40,7 @@ def _run(command: list[str], timeout: float) -> subprocess.CompletedProcess:
     return result
 
 
+@pytest.mark.slow  # CI tier: docs/first-hour.md runs the same config, export and generation (test_doc_blocks)
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # the export reads DCP on one process
 def test_the_hf_continue_example_trains_a_checkpoint_split_and_exports_what_transformers_loads(tmp_path):
     hf_dir = tmp_path / "tiny-llama"

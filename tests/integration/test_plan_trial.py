@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from megascale.data import build_stdlib_shards
@@ -19,6 +20,7 @@ PLAN = ["--hidden", "512", "--layers", "8", "--heads", "8", "--vocab", "32000", 
         "--global-batch", "8", "--seq-len", "1024", "--pp", "2", "--top", "1"]  # fmt: skip
 
 
+@pytest.mark.slow  # CI tier: docs/first-hour.md plans, emits and trains a (tp2) trial as written (test_doc_blocks)
 def test_the_cpu_trial_of_a_plan_trains_as_written(tmp_path: Path) -> None:
     def run(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
         result = subprocess.run([sys.executable, *args], cwd=tmp_path, env=clean_env(), capture_output=True,
