@@ -138,7 +138,8 @@ def main() -> None:
                     os.kill(os.getpid(), signal.SIGKILL)
                 if kind == "sigstop":
                     os.kill(os.getpid(), signal.SIGSTOP)
-                    while True:  # a frozen rank stays frozen: continued to dump its stack, it stays right here
+                    # a frozen rank stays frozen: continued (to dump its stack), it stays right here
+                    while True:
                         time.sleep(1)
                 if kind == "exception":
                     raise RuntimeError(f"injected failure at step {step}")

@@ -80,7 +80,8 @@ STRAGGLERS: dict[str, tuple[int, str, list[str], list[str]]] = {
 
 
 @pytest.mark.parametrize(
-    "layout", [layout if layout == "pp2" else pytest.param(layout, marks=pytest.mark.slow) for layout in STRAGGLERS]
+    "layout",
+    [layout if layout == "pp2" else pytest.param(layout, marks=pytest.mark.slow) for layout in STRAGGLERS],
 )  # CI tier: pp2
 def test_a_slow_rank_is_named_a_straggler_while_its_peers_wait(tmp_path: Path, layout: str) -> None:
     """One rank sleeps 0.2 s in every training step from step 2; its peers wait for it — in the gradient
