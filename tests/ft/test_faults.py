@@ -43,7 +43,14 @@ FAULTS = {
 }
 
 
-@pytest.mark.parametrize("fault", list(FAULTS))
+# CI tier: a death (with the self-checks), a hang, a NaN and a damaged checkpoint; an exception is a death with
+# its message, a checkpoint cut mid-persist a damaged one found another way (tests/ft/test_restore.py too)
+SLOW_FAULTS = ("exception@4:0", "kill-persist@3:1")
+
+
+@pytest.mark.parametrize(
+    "fault", [pytest.param(f, marks=pytest.mark.slow) if f in SLOW_FAULTS else f for f in FAULTS]
+)
 def test_a_fault_is_detected_and_the_restarted_run_ends_bitwise_equal(fault, uninterrupted, tmp_path):
     kind, rank, bound, skipped = FAULTS[fault]
     self_check = fault.startswith("sigkill")  # once with the self-checks before every attempt (~5 s each)
@@ -86,6 +93,7 @@ def test_a_run_that_fails_the_same_way_again_stops_with_a_report(tmp_path):
     assert "FAILED after 2 attempt(s)" in result.stderr
 
 
+@pytest.mark.slow  # CI tier: the run that fails the same way again stops (above)
 def test_restarts_are_bounded(tmp_path):
     result, report = _launch(tmp_path, "--fault", "sigkill@1:1", "--always", max_restarts=1)
     assert result.returncode == 1 and len(report["attempts"]) == 2

@@ -96,6 +96,7 @@ def uninterrupted(tmp_path_factory) -> dict[str, torch.Tensor]:
     return torch.load(tmp / "out.pt", weights_only=True)
 
 
+@pytest.mark.slow  # a lost node (the next test) is the harder case of the same restart
 def test_a_node_whose_processes_die_is_named_and_both_nodes_restart_to_bitwise_equal_weights(
     uninterrupted, tmp_path
 ):
@@ -167,6 +168,7 @@ def _one_process(steps: int, size: int) -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
+@pytest.mark.slow  # CI tier: eviction with a spare (above)
 def test_without_a_spare_the_run_goes_on_at_half_the_nodes_and_every_batch_is_trained_once(tmp_path):
     """Node 1 is behind the same fault twice (its processes die at step 4 in every attempt): evicted. No spare
     comes within --node-timeout, and --nnodes 1:2 allows one node: the last attempt runs at dp=2 from the
@@ -186,6 +188,7 @@ def test_without_a_spare_the_run_goes_on_at_half_the_nodes_and_every_batch_is_tr
     _assert_equal(tmp_path / "out.pt", _one_process(8, 16), exact=False)
 
 
+@pytest.mark.slow  # CI tier: the frozen rank's stacks on one node, tests/ft/test_faults.py
 def test_a_frozen_rank_on_another_node_is_named_from_every_rank_s_stacks(tmp_path):
     """Rank 3 (on whichever node holds it) stops with SIGSTOP at step 4: the driver asks each node's agent for
     its ranks' stacks before the trees are killed; the frozen rank is the one that stands out. Over TLS, as
