@@ -19,7 +19,7 @@ import pytest
 
 from megascale.ft.config import DriverAddress, Timeouts, TLSConfig
 from megascale.ft.executor import Executor, NonFiniteLossError
-from megascale.ft.heartbeat import SIGNATURE, Heartbeat, HeartbeatServer, post, sign
+from megascale.ft.heartbeat import REQUEST, SIGNATURE, Heartbeat, HeartbeatServer, post, sign, sign_request
 from megascale.ft.monitor import JobMonitor
 
 TOKEN = "0123456789abcdef0123"
@@ -241,14 +241,10 @@ def test_outside_the_launcher_the_executor_is_inert(monkeypatch):
         executor.step_done(0, 1.0)
 
 
-def _signed(body: dict, token: str = TOKEN) -> urllib.request.Request:
-    data = json.dumps(body).encode()
-    return urllib.request.Request(
-        "http://unused/heartbeat",
-        data=data,
-        method="POST",
-        headers={SIGNATURE: sign(token, data), "Content-Type": "application/json"},
-    )
+def _signed(body: dict, token: str = TOKEN, path: str = "/heartbeat") -> urllib.request.Request:
+    data, sent = json.dumps(body).encode(), repr(time.time())
+    headers = {SIGNATURE: sign(token, data), REQUEST: f"{sent} {sign_request(token, path, len(data), sent)}"}
+    return urllib.request.Request(f"http://unused{path}", data=data, method="POST", headers=headers)
 
 
 def _send(server, request: urllib.request.Request) -> int:
@@ -330,7 +326,7 @@ def test_agent_reports_are_signed_both_ways_and_replays_refused(caplog):
         with pytest.raises(urllib.error.HTTPError) as refused:
             exchange(server.url, "another-jobs-token-0000", report, timeout=5)
         assert refused.value.code == 401
-        replay = _signed({**report, "seq": seen[0]["seq"], "sent": seen[0]["sent"]})
+        replay = _signed({**report, "seq": seen[0]["seq"], "sent": seen[0]["sent"]}, path="/agent")
         replay.full_url = f"{server.url}/agent"
         with pytest.raises(urllib.error.HTTPError) as replayed:
             urllib.request.urlopen(replay, timeout=5)

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from megascale.ft._procs import descendants, kill_tree, pid_alive
+from megascale.ft._procs import descendants, kill_tree, pid_alive, same_process, start_time
 from megascale.ft.executor import ENV
 from megascale.ft.heartbeat import exchange
 from megascale.ft.launcher import Rendezvous, _torchrun, run_self_check
@@ -82,7 +82,9 @@ class NodeAgent:
         self.attempt = -1
         self.state = "idle"
         self.code: int | None = None
-        self.known: set[int] = set()  # every process seen under this attempt's torchrun
+        # every process seen under this attempt's torchrun -> its start time: a pid that ended may be reused
+        # by another process of the machine, which must be neither reported alive nor killed
+        self.known: dict[int, int] = {}
         self.check: dict[str, Any] | None = None  # the self-check verdict, for ``checked_attempt``
         self.checked_attempt = -1
         self.stacks: dict[str, str] = {}
@@ -92,13 +94,15 @@ class NodeAgent:
     # --- reports ----------------------------------------------------------------------------------
     def _report(self) -> dict[str, Any]:
         if self.process is not None:
-            self.known.update(descendants(self.process.pid))
-            self.known.add(self.process.pid)
-        alive = sorted(p for p in self.known if pid_alive(p))
+            for pid in [self.process.pid, *descendants(self.process.pid)]:
+                started = start_time(pid) if pid not in self.known else None
+                if started is not None:
+                    self.known[pid] = started
+        alive = sorted(p for p, t in self.known.items() if same_process(p, t) and pid_alive(p))
         report: dict[str, Any] = {
             "node": self.config.node, "host": socket.gethostname(), "pid": os.getpid(), "state": self.state,
             "attempt": self.attempt, "code": self.code, "alive": alive,
-            "gone": sorted(self.known.difference(alive)), "nproc_per_node": self.config.nproc_per_node,
+            "gone": sorted(set(self.known).difference(alive)), "nproc_per_node": self.config.nproc_per_node,
         }  # fmt: skip
         if self.check is not None:
             report["self_check"], report["checked_attempt"] = self.check, self.checked_attempt
@@ -139,14 +143,16 @@ class NodeAgent:
             env[ENV["cafile"]] = self.config.cafile
         command = _torchrun(self.config.nproc_per_node, self.command, rendezvous)
         log.info("node %s, attempt %d: %s", self.config.node, attempt, shlex.join(command))
-        self.known, self.code, self.attempt, self.state = set(), None, attempt, "running"
+        self.known, self.code, self.attempt, self.state = {}, None, attempt, "running"
         self.process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
 
     def _stacks_dir(self, attempt: int) -> Path:
         return self.run_dir / f"node-{self.config.node}" / "stacks" / f"attempt-{attempt}"
 
     def _collect_stacks(self, attempt: int, pids: dict[str, int]) -> None:
-        found = collect_stacks({int(r): int(p) for r, p in pids.items()}, self._stacks_dir(attempt))
+        # only this node's processes of the attempt (SIGUSR1 would end a stranger that reused a rank's pid)
+        ours = {int(r): int(p) for r, p in pids.items() if same_process(int(p), self.known.get(int(p), -1))}
+        found = collect_stacks(ours, self._stacks_dir(attempt))
         self.stacks, self.stacks_attempt = {str(r): text for r, text in found.items()}, attempt
 
     def _stop(self) -> None:

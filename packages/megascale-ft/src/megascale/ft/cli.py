@@ -19,6 +19,7 @@ import argparse
 import logging
 import os
 import socket
+import stat
 import sys
 import threading
 from pathlib import Path
@@ -187,6 +188,21 @@ def main(argv: list[str] | None = None) -> int:
     return report_user_errors(f"megascale-ft {args.command}", lambda: _run(args), traceback=args.traceback)
 
 
+def read_token_file(path: Path) -> str:
+    """The token in ``path``, which only its owner may read or write (like an ssh key): a token others on
+    the machine can read lets them forge heartbeats and orders."""
+    mode = path.stat().st_mode
+    if mode & 0o077:
+        raise ValueError(
+            f"--token-file {path} is readable or writable by group or others (mode {stat.S_IMODE(mode):o}): "
+            f"anyone on the machine could forge heartbeats and orders with it; run `chmod 600 {path}`"
+        )
+    token = path.read_text().strip()
+    if not token:
+        raise ValueError(f"--token-file {path} is empty: put the job's token in it")
+    return token
+
+
 def _run(args: argparse.Namespace) -> int:
     command = (
         []
@@ -197,7 +213,7 @@ def _run(args: argparse.Namespace) -> int:
     )
     token = os.environ.get("MEGASCALE_FT_TOKEN")
     if args.token_file is not None:
-        token = args.token_file.read_text().strip()
+        token = read_token_file(args.token_file)
     config = _config(args, token)
     if args.command == "launch" and not command:
         raise ValueError("no training command: give it after '--', e.g. -- train.py --steps 100")

@@ -22,6 +22,7 @@ reshards its checkpoint and resumes its data elastically), and otherwise stops w
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import itertools
 import logging
 import secrets
@@ -67,7 +68,8 @@ class ClusterConfig(LaunchConfig):
         node_timeout: seconds to wait for enough healthy nodes (at the start, and for spares).
         evict_after: a node behind the same kind of fault this many times is evicted.
         rdzv_endpoint: ``host:port`` where the driver hosts torchrun's rendezvous store (default: the
-            heartbeat server's host, a free port). Nodes must reach it; like torchrun's, it has no token.
+            heartbeat server's host, a free port). Nodes must reach it; like torchrun's, it has no token: it
+            listens on that address only (not on every interface, as torch's own store would).
     """
 
     nnodes: int = 2
@@ -90,6 +92,18 @@ class ClusterConfig(LaunchConfig):
             )
         if self.evict_after < 1:
             raise ValueError(f"evict_after must be >= 1, got {self.evict_after}")
+        if self.rdzv_endpoint is not None:
+            host = self.rdzv_endpoint.rpartition(":")[0].strip("[]")
+            try:
+                everywhere = host == "" or ipaddress.ip_address(host).is_unspecified
+            except ValueError:  # a host name
+                everywhere = False
+            if everywhere and not self.address.allow_any:
+                raise ValueError(
+                    f"refusing to bind the rendezvous store (no authentication) to every interface "
+                    f"(--rdzv-endpoint {self.rdzv_endpoint}): give the cluster-internal address the nodes "
+                    "reach the driver on"
+                )
 
 
 @dataclass
@@ -110,11 +124,20 @@ class _Verdict:
 @contextlib.contextmanager
 def _rendezvous_store(endpoint: str | None, default_host: str) -> Iterator[str]:
     """A TCP store for torchrun's c10d rendezvous, in a child process for the whole run (torch is
-    imported there, not in the driver)."""
+    imported there, not in the driver).
+
+    The store has no authentication, and torch's listens on every interface whatever host it is given: so
+    the socket is bound here, to ``host`` only (loopback by default), and handed to the store."""
     host, _, port = (endpoint or f"{default_host}:0").rpartition(":")
+    host = host.strip("[]")
     code = (
-        "import sys, torch.distributed as d\n"
-        "s = d.TCPStore(sys.argv[1], int(sys.argv[2]), is_master=True, multi_tenant=True, wait_for_workers=False)\n"
+        "import socket, sys, torch.distributed as d\n"
+        "host, port = sys.argv[1], int(sys.argv[2])\n"
+        "sock = socket.socket(socket.AF_INET6 if ':' in host else socket.AF_INET, socket.SOCK_STREAM)\n"
+        "sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+        "sock.bind((host, port))\nsock.listen(1024)\n"
+        "s = d.TCPStore(host, sock.getsockname()[1], is_master=True, multi_tenant=True, wait_for_workers=False,\n"
+        "               master_listen_fd=sock.fileno(), use_libuv=True)\n"
         "print(s.port, flush=True)\nsys.stdin.read()\n"
     )
     process = subprocess.Popen(
@@ -125,7 +148,7 @@ def _rendezvous_store(endpoint: str | None, default_host: str) -> Iterator[str]:
         line = process.stdout.readline().strip()
         if not line.isdigit():
             raise RuntimeError(f"the rendezvous store could not listen on {host}:{port} (see the log above)")
-        yield f"{host}:{line}"
+        yield f"[{host}]:{line}" if ":" in host else f"{host}:{line}"
     finally:
         process.kill()
         process.wait()

@@ -11,7 +11,14 @@ sequence number not above the last one from that process (replayed), and a send 
 server then also needs TLS (stdlib ``ssl``, a certificate and key; ranks verify it against a CA file), so
 nobody on the path reads the job's state either. It also keeps the driver free of torch.
 
-Wire format: ``POST /heartbeat`` with the signature header and a JSON object (see `Heartbeat`).
+Wire format: ``POST /heartbeat`` with the signature header and a JSON object (see `Heartbeat`). A second
+header, ``X-Megascale-Request``, signs the path, the body's length and the send time: the server checks it
+before reading the body, so a forged request cannot make it read (and hold) up to `MAX_BODY` bytes.
+
+Under attack: the accepting thread only accepts (connections beyond `MAX_CONNECTIONS`, or `MAX_PER_PEER`
+from one address, are closed at once); each connection's TLS handshake, and then its whole request, run on
+its own thread within `IO_TIMEOUT` each, however slowly the bytes trickle in. A peer that connects and sends
+nothing, or a node lost mid-handshake, holds up no one's heartbeats.
 ``GET /status`` (``Authorization: Bearer <token>``) returns the latest heartbeat of every rank. Across nodes,
 each node's agent talks to the driver on ``POST /agent`` (`exchange`): signed, numbered and checked the same
 way, and the driver's answer (the agent's orders) is signed too, so an agent obeys only its driver.
@@ -21,10 +28,12 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import io
 import ipaddress
 import json
 import logging
 import os
+import select
 import socket
 import ssl
 import threading
@@ -36,6 +45,7 @@ from dataclasses import asdict, dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from megascale.ft._procs import start_time
 from megascale.ft.config import DriverAddress, TLSConfig
 
 __all__ = ["Heartbeat", "HeartbeatSender", "HeartbeatServer", "exchange", "post"]
@@ -44,11 +54,39 @@ log = logging.getLogger(__name__)
 
 MAX_BODY = 4 << 20  # timings of a few hundred steps fit; anything larger is not a heartbeat
 SIGNATURE = "X-Megascale-Signature"
+REQUEST = "X-Megascale-Request"  # "<sent> <signature of path, length, sent>": checked before the body is read
+IO_TIMEOUT = 10.0  # seconds a connection has for its TLS handshake, and then for its whole request
+MAX_CONNECTIONS = 512  # connections served at once; more are closed at once
+MAX_PER_PEER = 128  # of them from one address: one client cannot take them all
 
 
 def sign(token: str, body: bytes) -> str:
     """The signature header's value: HMAC-SHA256 of ``body`` under ``token``."""
     return "sha256=" + hmac.new(token.encode(), body, hashlib.sha256).hexdigest()
+
+
+def sign_request(token: str, path: str, length: int, sent: str) -> str:
+    """The request header's signature: of the path, the body's length and the send time, so the server
+    can refuse a forged request before it reads (and buffers) a body of up to `MAX_BODY` bytes."""
+    return sign(token, f"{path}\n{length}\n{sent}".encode())
+
+
+class _DeadlineReader(io.RawIOBase):
+    """A socket's bytes until one deadline for the whole request: a peer sending a byte now and then (slow
+    loris) cannot keep a server thread, as it could under a per-read timeout."""
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        self._sock, self._deadline = sock, deadline
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the request did not arrive within the server's I/O timeout")
+        self._sock.settimeout(left)
+        return self._sock.recv_into(buffer)
 
 
 @dataclass
@@ -79,6 +117,9 @@ class Heartbeat:
     seq: int = 0  # per sending process, increasing: a repeated or older number is a replay
     coords: dict[str, int] | None = None  # this rank's parallel coordinates ({"dp": 0, "pp": 1, "tp": 0})
     node: str | None = None  # the node agent that started this rank (multi-node launches)
+    # when ``pid`` started (ticks after boot, /proc/<pid>/stat): a launcher kills that pid only while it is
+    # still this process, not another that reused the number
+    pid_started: int | None = field(default_factory=lambda: start_time(os.getpid()))
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Heartbeat:
@@ -91,6 +132,13 @@ class Heartbeat:
 
 class _Handler(BaseHTTPRequestHandler):
     server: _Server
+
+    def setup(self) -> None:
+        super().setup()
+        self.rfile.close()  # the socket's own reader: replaced by one with a deadline for the whole request
+        self.rfile = io.BufferedReader(
+            _DeadlineReader(self.connection, time.monotonic() + self.server.io_timeout)
+        )
 
     def _authorized(self) -> bool:
         given = self.headers.get("Authorization", "")
@@ -121,6 +169,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _reply(self, code: int, body: dict[str, Any], signed: bool = False) -> None:
         data = json.dumps(body).encode()
+        self.connection.settimeout(self.server.io_timeout)  # the reader left the request's remaining time
         self.send_response(code)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
@@ -131,9 +180,29 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _signed_json(self) -> dict[str, Any] | None:
         """The request's JSON object if its signature is the token's, else None (refused and logged)."""
-        length = int(self.headers.get("Content-Length", "0"))
+        try:
+            length = int(self.headers.get("Content-Length", "0"))
+        except ValueError:
+            self._refuse(400, "a Content-Length that is not a number")
+            return None
         if not 0 < length <= MAX_BODY:
-            self._reply(413, {"error": f"body of {length} bytes"})
+            self._refuse(413, f"a body of {length} bytes (at most {MAX_BODY})")
+            return None
+        sent, _, given = self.headers.get(REQUEST, "").partition(" ")
+        if not hmac.compare_digest(
+            given.encode(), sign_request(self.server.token, self.path, length, sent).encode()
+        ):
+            self._refuse(
+                401,
+                f"bad or missing signature (forged, or another job's token; its {length}-byte body left unread)",
+            )
+            return None
+        try:
+            age = time.time() - float(sent)
+        except ValueError:
+            age = float("inf")
+        if not -self.server.max_age < age < self.server.max_age:
+            self._refuse(409, f"replayed or stale request (sent {age:.0f} s ago; its body left unread)")
             return None
         body = self.rfile.read(length)
         given = self.headers.get(SIGNATURE, "")
@@ -200,7 +269,19 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 class _Server(ThreadingHTTPServer):
+    """One thread per connection, where the TLS handshake and the request run under `IO_TIMEOUT`; the
+    accepting thread only accepts (a peer that sends nothing can hold up no one but itself), and turns
+    connections beyond the caps away."""
+
     daemon_threads = True
+    request_queue_size = 128
+    context: ssl.SSLContext | None
+    io_timeout: float
+    max_connections: int
+    max_per_peer: int
+    conn_lock: threading.Lock
+    active: dict[str, int]  # peer address -> connections being served
+    turned_away: int
     token: str
     refused: int
     max_age: float
@@ -209,6 +290,82 @@ class _Server(ThreadingHTTPServer):
     latest: dict[int, Heartbeat]
     deliver: Callable[[Heartbeat], None]
     on_agent: Callable[[dict[str, Any]], dict[str, Any]] | None
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        peer = str(client_address[0])
+        with self.conn_lock:
+            full = (sum(self.active.values()) >= self.max_connections
+                    or self.active.get(peer, 0) >= self.max_per_peer)  # fmt: skip
+            if not full:
+                self.active[peer] = self.active.get(peer, 0) + 1
+            else:
+                self.turned_away += 1
+        if full:
+            if self.turned_away % 100 == 1:
+                log.warning("heartbeat server: %d connection(s) turned away, the last from %s (at most %d at once, "
+                            "%d from one address)", self.turned_away, peer, self.max_connections,
+                            self.max_per_peer)  # fmt: skip
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._release(peer)
+            raise
+
+    def _release(self, peer: str) -> None:
+        with self.conn_lock:
+            self.active[peer] -= 1
+            if not self.active[peer]:
+                del self.active[peer]
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._release(str(client_address[0]))
+
+    def finish_request(self, request: Any, client_address: Any) -> None:
+        """On the connection's own thread: the TLS handshake, then the request."""
+        if self.context is None:
+            super().finish_request(request, client_address)
+            return
+        secure = None
+        try:
+            secure = self.context.wrap_socket(request, server_side=True, do_handshake_on_connect=False)
+            self._handshake(secure)
+        except (OSError, ValueError) as e:  # ssl.SSLError and TimeoutError are OSErrors
+            log.warning("heartbeat server: no TLS handshake with %s:%s (%s)", *client_address[:2], e)
+            if secure is not None:  # else the caller closes the plain socket
+                self.shutdown_request(secure)
+            return
+        try:
+            super().finish_request(secure, client_address)
+        finally:
+            self.shutdown_request(secure)
+
+    def _handshake(self, secure: ssl.SSLSocket) -> None:
+        """Within `io_timeout` in all: a blocking handshake's timeout restarts with every byte received."""
+        deadline = time.monotonic() + self.io_timeout
+        secure.setblocking(False)
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"not done within {self.io_timeout:.0f} s")
+            try:
+                secure.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                select.select([secure], [], [], left)
+            except ssl.SSLWantWriteError:
+                select.select([], [secure], [], left)
+        secure.setblocking(True)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # a peer that vanished mid-request: not the server's error, and no traceback on stderr
+        log.debug(
+            "heartbeat server: connection from %s:%s ended in an error", *client_address[:2], exc_info=True
+        )
 
 
 class HeartbeatServer:
@@ -223,6 +380,10 @@ class HeartbeatServer:
         max_age: seconds after which a heartbeat counts as replayed (clocks of the nodes must agree to
             within this).
         on_agent: answers a node agent's report (``POST /agent``) with its orders (multi-node driver).
+        io_timeout: seconds a connection has for its TLS handshake, and then for its whole request (a peer
+            that connects and sends nothing, or sends slowly, is closed after it).
+        max_connections: connections served at once (more are closed at once) ...
+        max_per_peer: ... of which from one address.
     """
 
     def __init__(
@@ -233,6 +394,9 @@ class HeartbeatServer:
         tls: TLSConfig | None = None,
         max_age: float = 120.0,
         on_agent: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+        io_timeout: float = IO_TIMEOUT,
+        max_connections: int = MAX_CONNECTIONS,
+        max_per_peer: int = MAX_PER_PEER,
     ) -> None:
         if len(token) < 16:
             raise ValueError("the heartbeat token must have at least 16 characters (use secrets.token_hex())")
@@ -242,11 +406,16 @@ class HeartbeatServer:
         server_class = type("_BoundServer", (_Server,), {"address_family": family})
         self._server: _Server = server_class((address.host, address.port), _Handler)
         self.tls = tls
+        self._server.context = None
         if tls is not None:
+            # the listening socket stays plain: each connection is wrapped, and shakes hands, on its own thread
             context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
             context.minimum_version = ssl.TLSVersion.TLSv1_2
             context.load_cert_chain(tls.certfile, tls.keyfile)
-            self._server.socket = context.wrap_socket(self._server.socket, server_side=True)
+            self._server.context = context
+        self._server.io_timeout, self._server.conn_lock = io_timeout, threading.Lock()
+        self._server.max_connections, self._server.max_per_peer = max_connections, max_per_peer
+        self._server.active, self._server.turned_away = {}, 0
         self._server.token, self._server.refused, self._server.latest = token, 0, {}
         self._server.max_age, self._server.seq_lock, self._server.last_seq = max_age, threading.Lock(), {}
         self._server.on_agent = on_agent
@@ -289,6 +458,11 @@ class HeartbeatServer:
     def refused(self) -> int:
         """Requests refused for a wrong or missing token."""
         return self._server.refused
+
+    @property
+    def turned_away(self) -> int:
+        """Connections closed unheard because too many were open (`max_connections`, `max_per_peer`)."""
+        return self._server.turned_away
 
     def close(self) -> None:
         self._server.shutdown()
@@ -335,9 +509,11 @@ def _numbered(payload: dict[str, Any]) -> bytes:
 def _send(
     url: str, token: str, path: str, body: bytes, timeout: float, cafile: str | None
 ) -> tuple[bytes, str]:
+    sent = repr(time.time())
     request = urllib.request.Request(
         f"{url}{path}", data=body, method="POST",
-        headers={SIGNATURE: sign(token, body), "Content-Type": "application/json"},
+        headers={SIGNATURE: sign(token, body), REQUEST: f"{sent} {sign_request(token, path, len(body), sent)}",
+                 "Content-Type": "application/json"},
     )  # fmt: skip
     context = ssl.create_default_context(cafile=cafile) if url.startswith("https:") else None
     with urllib.request.urlopen(request, timeout=timeout, context=context) as response:

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from megascale.ft._procs import kill_tree
+from megascale.ft._procs import kill_tree, same_process
 from megascale.ft.config import DriverAddress, Timeouts, TLSConfig
 from megascale.ft.executor import ENV
 from megascale.ft.heartbeat import HeartbeatServer, require_tls_off_loopback
@@ -276,7 +276,9 @@ class Launcher:
         """Every rank's stacks, before the tree is killed; the ranks that stand out go into the fault."""
         from megascale.ft.stacks import collect_stacks, localise
 
-        pids = {b.rank: b.pid for b in server.beats() if b.host == socket.gethostname()}
+        # SIGUSR1 ends a process without the handler: only ranks whose pid still names them
+        pids = {b.rank: b.pid for b in server.beats() if b.host == socket.gethostname()
+                and (b.pid_started is None or same_process(b.pid, b.pid_started))}  # fmt: skip
         directory = self._stacks_dir(attempt)
         report = localise(collect_stacks(pids, directory), sorted(pids), str(directory))
         log.error("hang: %s (stacks in %s)", report.summary(), directory)
@@ -333,8 +335,11 @@ class Launcher:
                     return fault
                 time.sleep(POLL_S)
         finally:
-            pids = [b.pid for b in server.beats()]
-            kill_tree(process.pid, extra=pids)
+            here = socket.gethostname()
+            ranks = {
+                b.pid: b.pid_started for b in server.beats() if b.host == here and b.pid_started is not None
+            }
+            kill_tree(process.pid, extra=ranks)
             process.wait()
             tee.join(timeout=5.0)
             prune_empty(self._stacks_dir(attempt))
