@@ -22,9 +22,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from megascale.ft.checkpoint import TwoStageCheckpointer
 from tests.ft._launch import launch_fit, launch_job
 
 SCRIPT = "tests/integration/_fit_megascale.py"
+FT_LIGHTNING_SCRIPT = "tests/ft/_fit_lightning.py"  # its --strategy megascale needs megascale-lightning too
 LAYOUTS = {  # name: (ranks, script arguments)
     "tp2": (2, ["--tp", "2"]),
     "dp2/zero2": (2, ["--tp", "1", "--zero-stage", "2"]),
@@ -135,3 +137,20 @@ def _stragglers(tmp: Path) -> list[int]:
     """The ranks the driver flagged (straggler instant events of its timeline.json)."""
     trace = json.loads((tmp / "run" / "timeline.json").read_text())
     return sorted({e["pid"] for e in trace["traceEvents"] if e.get("cat") == "straggler"})
+
+
+def test_sigterm_to_the_launcher_is_forwarded_the_ranks_save_and_it_exits_0_without_restart(
+    tmp_path: Path,
+) -> None:
+    """megascale-ft launch under SIGTERM (a scheduler's preemption) with MegaScaleStrategy (the stop is the
+    strategy's, issue 25 finding 5): nothing is restarted, the run saves where it stopped and exits 0."""
+    # rank 1 sends SIGTERM to the launcher in step 3's training_step: the launcher forwards it to both ranks,
+    # which finish step 3, take FaultTolerance's snapshot of step 4 (committed before the clean end) and exit
+    result, report = launch_job(
+        tmp_path, FT_LIGHTNING_SCRIPT, "--steps", "1000", "--every", "1000", "--strategy", "megascale",
+        "--fault", "sigterm@3:1", max_restarts=2,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-6000:]
+    assert report["ok"] and len(report["attempts"]) == 1 and "stopped by SIGTERM" in report["reason"]
+    assert torch.load(tmp_path / "out.pt", weights_only=True)["end"] == 4
+    assert TwoStageCheckpointer(str(tmp_path / "ckpt")).latest() == 4  # committed, whole, where it stopped

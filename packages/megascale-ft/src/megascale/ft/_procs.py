@@ -21,7 +21,15 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-__all__ = ["descendants", "kill_tree", "pid_alive", "same_process", "signal_recorded", "start_time"]
+__all__ = [
+    "children",
+    "descendants",
+    "kill_tree",
+    "pid_alive",
+    "same_process",
+    "signal_recorded",
+    "start_time",
+]
 
 log = logging.getLogger("megascale.ft")
 
@@ -83,6 +91,11 @@ def _children_map() -> dict[int, list[int]]:
         ppid = int(stat.rsplit(")", 1)[1].split()[1])  # the command name may hold spaces and parentheses
         children.setdefault(ppid, []).append(int(entry.name))
     return children
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (Linux /proc)."""
+    return _children_map().get(pid, [])
 
 
 def descendants(pid: int) -> list[int]:

@@ -7,6 +7,11 @@ finds a fault; on a fault the whole process tree is killed at once and the next 
 latest good checkpoint (the training script loads it). Restarts are bounded by ``max_restarts``, and a run
 that fails the same way ``repeat_limit`` times in a row stops with a report rather than looping.
 
+SIGTERM to the launcher (``timeout``, SLURM, ``docker stop``, Kubernetes) is not a fault: it is forwarded to
+the ranks (torchrun's children), which finish their step, save a checkpoint and exit (MegaScaleStrategy, with
+FaultTolerance's two-stage snapshot); no restart follows, and the launcher exits 0 once torchrun exits 0 or every
+rank reported a clean end. A second SIGTERM kills the whole tree at once.
+
 Why torchrun with ``--max-restarts 0`` and our own loop: torchrun restarts blindly (no diagnosis, no
 self-check, no notion of "the same failure again"), and its restarted gloo attempts do not reconnect
 (shared notes); each of our attempts is a fresh torchrun on a fresh port.
@@ -14,12 +19,14 @@ self-check, no notion of "the same failure again"), and its restarted gloo attem
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import re
 import secrets
 import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -29,7 +36,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from megascale.ft._procs import kill_tree, same_process
+from megascale.ft._procs import children, kill_tree, same_process
 from megascale.ft.config import DriverAddress, Timeouts, TLSConfig
 from megascale.ft.executor import ENV
 from megascale.ft.heartbeat import HeartbeatServer, require_tls_off_loopback
@@ -251,7 +258,34 @@ class Launcher:
         self.monitor: JobMonitor | None = None
         #: why the first attempt's command line was refused (exit code 2 before any heartbeat), if it was
         self.usage_error: str | None = None
+        #: the signal that asked the run to stop (SIGTERM), if one came: no restart after it
+        self.stop_signal: int | None = None
+        self._process: subprocess.Popen[bytes] | None = None  # torchrun of the attempt under way
         check_command(self.command)
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        # only recorded here; the attempt's loop forwards it to the ranks (a rank may not have started yet)
+        process = self._process
+        if self.stop_signal is not None:  # a second one: no more waiting for the ranks
+            log.error("second SIGTERM: killing the job's processes")
+            if process is not None:
+                kill_tree(process.pid, wait=0.0)
+            return
+        self.stop_signal = signum
+        log.warning(
+            "SIGTERM: forwarding it to the ranks, which finish their step, save a checkpoint and exit; no "
+            "restart follows (a second SIGTERM kills them at once)"
+        )
+
+    def _forward_stop(self, process: subprocess.Popen[bytes], done: set[int]) -> None:
+        """Send the stop signal to torchrun's children (the ranks) not sent it yet: torchrun itself would
+        stop them with its own timeout and exit non-zero."""
+        assert self.stop_signal is not None
+        for pid in children(process.pid):
+            if pid not in done:
+                done.add(pid)
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, self.stop_signal)
 
     # --- one attempt --------------------------------------------------------------------------------
     def _env(self, server: HeartbeatServer, attempt: int) -> dict[str, str]:
@@ -298,12 +332,16 @@ class Launcher:
         log.info("attempt %d: %s", attempt, shlex.join(command))
         process = subprocess.Popen(command, env=self._env(server, attempt), stdin=subprocess.DEVNULL,
                                    stderr=subprocess.PIPE, start_new_session=True)  # fmt: skip
+        self._process = process
         tee = _StderrTee(process.stderr)
         tee.start()
         flagged: set[int] = set()
+        signalled: set[int] = set()  # ranks sent the stop signal
         next_straggler_check = time.monotonic() + STRAGGLER_CHECK_S
         try:
             while True:
+                if self.stop_signal is not None:
+                    self._forward_stop(process, signalled)
                 if time.monotonic() > next_straggler_check:
                     next_straggler_check += STRAGGLER_CHECK_S
                     flag_stragglers(monitor, flagged, self.config.straggler_threshold)
@@ -317,7 +355,9 @@ class Launcher:
                     return fault
                 code = process.poll()
                 if code is not None:
-                    if monitor.finished():  # every rank said so; a gloo abort at exit changes nothing
+                    # every rank said so (a gloo abort at exit changes nothing); or stopped by SIGTERM and
+                    # the ranks exited cleanly (a script without FaultTolerance sends no end report)
+                    if monitor.finished() or (self.stop_signal is not None and code == 0):
                         if code != 0:
                             log.warning("every rank finished, but torchrun exited with code %d", code)
                         return None
@@ -335,6 +375,7 @@ class Launcher:
                     return fault
                 time.sleep(POLL_S)
         finally:
+            self._process = None
             here = socket.gethostname()
             ranks = {
                 b.pid: b.pid_started for b in server.beats() if b.host == here and b.pid_started is not None
@@ -349,6 +390,18 @@ class Launcher:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         report = RunReport(command=self.command)
         monitors: list[JobMonitor] = []
+        main_thread = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGTERM, self._on_sigterm) if main_thread else None
+        try:
+            self._run(report, monitors)
+        finally:
+            if main_thread:
+                signal.signal(signal.SIGTERM, previous)
+        write_report(self.run_dir, report, monitors, self.config.straggler_threshold)
+        print(report.summary(), file=sys.stderr, flush=True)
+        return report
+
+    def _run(self, report: RunReport, monitors: list[JobMonitor]) -> None:
         signatures: list[tuple[str, int | None, str]] = []  # of the failed attempts, in order
 
         def on_heartbeat(beat: Any) -> None:
@@ -358,6 +411,9 @@ class Launcher:
         with HeartbeatServer(self.token, on_heartbeat, self.config.address, tls=self.config.tls) as server:
             log.info("heartbeat server on %s (token required)", server.url)
             for attempt in range(self.config.max_restarts + 1):
+                if self.stop_signal is not None:
+                    report.reason = "stopped by SIGTERM before the next attempt"
+                    break
                 started = time.time()
                 entry: dict[str, Any] = {"attempt": attempt}
                 if self.config.self_check:
@@ -370,6 +426,9 @@ class Launcher:
                         )
                         report.reason += entry["self_check"]["summary"]
                         break
+                if self.stop_signal is not None:
+                    report.reason = "stopped by SIGTERM before the next attempt"
+                    break
                 server.forget()
                 fault = self._attempt(server, attempt)
                 if self.monitor is not None:
@@ -377,6 +436,15 @@ class Launcher:
                 entry["seconds"] = time.time() - started
                 entry["fault"] = None if fault is None else fault.to_json()
                 report.attempts.append(entry)
+                if self.stop_signal is not None:  # asked to stop: never a restart
+                    report.ok = fault is None
+                    report.reason = (
+                        "stopped by SIGTERM: the ranks saved a checkpoint and exited; run the same command to "
+                        "resume from it"
+                        if report.ok
+                        else "stopped by SIGTERM, and the ranks did not exit cleanly"
+                    )
+                    break
                 if fault is None:
                     report.ok = True
                     break
@@ -390,9 +458,6 @@ class Launcher:
                     break
             else:
                 report.reason = f"gave up after {self.config.max_restarts} restarts (--max-restarts)"
-        write_report(self.run_dir, report, monitors, self.config.straggler_threshold)
-        print(report.summary(), file=sys.stderr, flush=True)
-        return report
 
 
 def _usage_error(tee: _StderrTee) -> str | None:
