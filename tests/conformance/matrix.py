@@ -62,6 +62,26 @@ def all_cells(seeds: int) -> list[Cell]:
     return cells
 
 
+def in_ci_tier(cell: Cell) -> bool:
+    """CI runs every cell on 2 ranks and a third of the 4-rank ones (4 ranks on CI's 2 cores cost 2.5x a
+    2-rank cell): each scenario under one 4-rank layout (turn by turn), each 4-rank layout resuming from two
+    2-rank checkpoints and from each other, and every 4-rank checkpoint shrunk onto 2 ranks. The rest is the
+    slow tier (``nox -s conformance`` runs all)."""
+    assert cell.layout is not None
+    world4 = [layout.name for layout in LAYOUTS if layout.world == 4]
+    if LAYOUT[cell.layout].world == 2:
+        return True  # 2-rank layouts: every scenario, every resume (from 2 or 4 ranks)
+    if cell.saved_under is None:  # the scenario's turn among the 4-rank layouts it runs under
+        scenario = next(s for s in SCENARIOS if s.name == cell.scenario)
+        runs_under = [name for name in world4 if LAYOUT[name].tp > 1 or not scenario.tp_only]
+        return runs_under[SCENARIOS.index(scenario) % len(runs_under)] == cell.layout
+    if LAYOUT[cell.saved_under].world == 4:
+        return True
+    world2 = [layout.name for layout in LAYOUTS if layout.world == 2]
+    turn = world4.index(cell.layout)
+    return world2.index(cell.saved_under) in (turn, turn + len(world4))
+
+
 def _launch_of(cell: Cell) -> int:
     assert cell.layout is not None
     layout = LAYOUT[cell.layout]

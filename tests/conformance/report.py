@@ -89,6 +89,32 @@ def page(outcomes: list[Outcome]) -> str:
     return "\n".join(lines)
 
 
+_MARK = re.compile(r"^(✓|refused|warned)(?: \[(\d+)\]\(#note-\d+\))?$")
+_NOTE = re.compile(r'^<a id="note-(\d+)"></a>\d+\. (.*)$')
+
+
+def marks(text: str) -> dict[str, tuple[str, str]]:
+    """What a page says of each cell it lists: cell id -> (kind, note), as ``outcome_mark`` gives them."""
+    notes = {m[1]: m[2] for m in map(_NOTE.match, text.splitlines()) if m}
+    layouts = [layout.name for layout in LAYOUTS]
+    rows = [line for line in text.splitlines() if line.startswith("| **") or line.startswith("| `")]
+    cells = [Cell(s.name, 0, layout) for s in SCENARIOS for layout in layouts]
+    cells += [Cell("plain", 0, resumer, saver) for saver in layouts for resumer in layouts]
+    entries = [entry.strip() for row in rows for entry in row.strip().strip("|").split(" | ")[1:]]
+    out = {}
+    for cell, entry in zip(cells, entries, strict=True):
+        match = _MARK.match(entry)
+        if match:
+            kind = {"✓": "exact"}.get(match[1], match[1])
+            out[cell.id] = (kind, notes.get(match[2], "") if match[2] else "")
+    return out
+
+
+def outcome_mark(outcome: Outcome) -> tuple[str, str]:
+    """(kind, note) as the page shows ``outcome``."""
+    return outcome.kind, _LAYOUT.sub("<layout>", outcome.message)
+
+
 def main(results: str) -> None:
     outcomes = [judge(cell, Path(results)) for cell in all_cells(1)]
     PAGE.write_text(page(outcomes), encoding="utf-8")

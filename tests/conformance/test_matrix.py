@@ -25,7 +25,8 @@ OUTCOMES: dict[str, Outcome] = {}
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "cell" in metafunc.fixturenames:
         cells = matrix.all_cells(metafunc.config.getoption("seeds"))
-        metafunc.parametrize("cell", cells, ids=[c.id for c in cells])
+        params = [pytest.param(c, marks=() if matrix.in_ci_tier(c) else pytest.mark.slow) for c in cells]
+        metafunc.parametrize("cell", params, ids=[c.id for c in cells])
 
 
 @pytest.mark.timeout(3600)  # the first cell's setup runs the whole matrix (the session fixture)
@@ -34,13 +35,21 @@ def test_cell(cell: matrix.Cell, matrix_out: Path) -> None:
 
 
 def test_guarantees_page_is_generated_from_the_matrix(request: pytest.FixtureRequest) -> None:
-    """docs/guides/guarantees.md is exactly what the outcomes of every cell (seed 0) make."""
+    """docs/guides/guarantees.md is exactly what the outcomes of every cell (seed 0) make; when only part of
+    the matrix ran (CI's tier), each cell that ran is what the page says of it (its mark and its note)."""
     cells = [c for c in matrix.all_cells(1)]
-    if any(c.id not in OUTCOMES for c in cells):
-        missing = [c.id for c in cells if c.id not in OUTCOMES]
-        pytest.skip(
-            f"{len(missing)} cells did not pass in this session (e.g. {missing[:3]}): page not checked"
+    ran = [c for c in cells if c.id in OUTCOMES]
+    if not ran:
+        pytest.skip("no cell of seed 0 passed in this session: page not checked")
+    if len(ran) < len(cells):
+        said = report.marks(report.PAGE.read_text(encoding="utf-8"))
+        wrong = {c.id: (said.get(c.id), report.outcome_mark(OUTCOMES[c.id])) for c in ran
+                 if said.get(c.id) != report.outcome_mark(OUTCOMES[c.id])}  # fmt: skip
+        assert not wrong, (
+            f"docs/guides/guarantees.md says otherwise of {len(wrong)} cells (page, run): {wrong}; regenerate "
+            "it with MEGASCALE_WRITE_GUARANTEES=1 nox -s conformance"
         )
+        return
     page = report.page([OUTCOMES[c.id] for c in cells])
     if os.environ.get("MEGASCALE_WRITE_GUARANTEES"):
         report.PAGE.write_text(page, encoding="utf-8")

@@ -167,6 +167,7 @@ def test_cli_yaml_with_the_strategy_trains_and_converts(tmp_path):
     assert model(torch.zeros(1, 8, dtype=torch.long)).shape == (1, 8, model.config.padded_vocab_size)
 
 
+@pytest.mark.slow  # CI tier: a shipped strategy config through the CLI (above); tp2×pp2 fits in test_strategy.py
 def test_cli_yaml_with_tensor_and_pipeline_parallelism(tmp_path):
     """`megascale fit --config tp2_pp2_cpu.yaml` (tp 2 × pp 2, 1F1B, on 4 ranks): validation, logging and
     ModelCheckpoint under a pipeline. (Resuming a pipeline's checkpoint: test_strategy.py and the conformance
