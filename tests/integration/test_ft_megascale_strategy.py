@@ -40,8 +40,7 @@ DATA = ["--every", "3", "--max-bytes", "210"]
 
 # tp2×pp2 restores tensor- and pipeline-split layers, dp2/zero1 the optimizer state ZeRO shards; the other
 # layouts' checkpoints are what these are made of (and resume across layouts: tests/conformance)
-# (CI tier: dp2/zero1; tests/integration/test_main_job.py kills a rank of the main job under tp2×pp2 there)
-KILLED = [pytest.param("tp2xpp2", marks=pytest.mark.slow), "dp2/zero1"]
+KILLED = ["tp2xpp2", "dp2/zero1"]
 
 
 @pytest.mark.parametrize("layout", KILLED)
