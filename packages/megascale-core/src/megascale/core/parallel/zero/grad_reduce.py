@@ -53,6 +53,14 @@
 # is not zeroed by any optimizer, so the next backward accumulates into it, and only a whole average
 # accumulates right (a piece plus the next local gradient would be reduced to the piece / size).
 #
+# Buffers are released as buckets are reduced: launching a bucket first completes every launched bucket but
+# the last IN_FLIGHT (waiting for its collective, which overlap has usually finished by then, and writing its
+# averages into the gradients), so at most IN_FLIGHT + 1 flat buffers live during backward, whatever the
+# model's size — what the planner counts (plan/memory.py: two buckets in flight). Before, every bucket's
+# buffer stayed alive to the end of backward: one more copy of the gradients in reduce_dtype (ZeRO-0), and
+# the reduce-scatter's outputs as well (ZeRO-1: 1.5x at dp2). A bucket with a parameter that had no gradient
+# here waits for finish() (it needs the other ranks' flags); only finish() launches such buckets anyway.
+#
 # Not done (DDP's gradient_as_bucket_view): gradients are copied into the flat buffer and back rather than
 # living in it, which costs one bucket-sized buffer per in-flight bucket and two copies (scattered: only each
 # rank's piece is copied back, the rest of a gradient zeroed), and leaves the gradients ordinary tensors that
@@ -76,6 +84,7 @@ from megascale.core.parallel.wait_timer import WaitTimer, untimed
 __all__ = ["BucketedGradReduce"]
 
 _MIB = 1024 * 1024
+IN_FLIGHT = 2  # launched buckets whose reduction may still be outstanding while backward goes on (header)
 
 
 @dataclass
@@ -87,6 +96,7 @@ class _Bucket:
     param_dtype: torch.dtype | None = None
     first: int = 0  # index of its first parameter in the flag vector (all buckets' parameters in order)
     ready: int = 0
+    done: bool = False  # reduced and written into the gradients, buffers released
     flat: Tensor | None = None
     work: Any = None  # the async all-reduce's handle once launched
     chunk: Tensor | None = None  # scatter: this rank's part of the reduce-scatter
@@ -169,6 +179,7 @@ class BucketedGradReduce:
         self.rank = dist.get_rank(group) if scatter else 0
         self._sync = True
         self._next_launch = 0
+        self._next_release = 0  # the first launched bucket whose averages are not yet in the gradients
         seen: set[int] = set()
         unique = []
         for p in params:
@@ -290,8 +301,27 @@ class BucketedGradReduce:
                     return
                 bucket.skipped = True
             else:
+                if self._next_launch == 0:
+                    self._refresh()  # the optimizers' parameters as of this backward, before any launch
+                self._release_reduced(keep=IN_FLIGHT)
                 self._launch(bucket)
             self._next_launch += 1
+
+    def _refresh(self) -> None:
+        for refresh in list(self._refreshers.values()):
+            refresh()  # orphans as of now: an all-reduced bucket still gives pieces to what is stepped now
+
+    def _release_reduced(self, keep: int) -> None:
+        """Complete the launched buckets, in order, but the last ``keep`` (see the header); stops at a bucket
+        that lacks a gradient here (finish() completes it, with the other ranks' flags)."""
+        while self._next_release < self._next_launch - keep:
+            bucket = self.buckets[self._next_release]
+            if not bucket.skipped:
+                if bucket.missing:
+                    return
+                with self.wait_timer("grad-reduce"):
+                    self._complete(bucket, set())
+            self._next_release += 1
 
     def _whole(self, bucket: _Bucket) -> bool:
         """scatter: whether ``bucket`` is all-reduced this step (its gradients left whole: see the header)."""
@@ -330,8 +360,7 @@ class BucketedGradReduce:
         if not self._sync or not self.buckets:
             return
         self._wait_flags()
-        for refresh in list(self._refreshers.values()):
-            refresh()  # orphans as of now: an all-reduced bucket still gives pieces to what is stepped now
+        self._refresh()
         for bucket in self.buckets[self._next_launch :]:
             if bucket.idle():
                 bucket.skipped = True
@@ -389,25 +418,29 @@ class BucketedGradReduce:
     def _complete_all(self, flags: list[int] | None) -> None:
         try:
             for bucket in self.buckets:
-                if bucket.skipped:
-                    continue
-                assert bucket.work is not None and bucket.flat is not None
-                bucket.work.wait()
-                absent = self._absent(bucket, flags)
-                if bucket.chunk is not None:
-                    self._write_pieces(bucket, bucket.chunk.div_(self.world_size), absent)
-                    continue
-                bucket.flat.div_(self.world_size)
-                if self.scatter and not self.whole:  # all-reduced for an orphan: the others still get pieces
-                    self._write_pieces(bucket, self._my_chunk(bucket), absent, whole=bucket.orphans)
-                    continue
+                if not bucket.skipped and not bucket.done:
+                    self._complete(bucket, self._absent(bucket, flags))
+        finally:
+            self._reset()
+
+    def _complete(self, bucket: _Bucket, absent: set[int]) -> None:
+        """Wait for ``bucket``'s collective, write the averages into its gradients (not those ``absent``: no
+        rank had them) and release its buffers."""
+        assert bucket.work is not None and bucket.flat is not None
+        bucket.work.wait()
+        if bucket.chunk is not None:
+            self._write_pieces(bucket, bucket.chunk.div_(self.world_size), absent)
+        else:
+            bucket.flat.div_(self.world_size)
+            if self.scatter and not self.whole:  # all-reduced for an orphan: the others still get pieces
+                self._write_pieces(bucket, self._my_chunk(bucket), absent, whole=bucket.orphans)
+            else:
                 for i, (p, offset) in enumerate(zip(bucket.params, bucket.offsets)):
                     if i not in absent:
                         g = local(p.grad)
                         assert g is not None
                         g.copy_(bucket.flat[offset : offset + g.numel()].view_as(g))
-        finally:
-            self._reset()
+        bucket.done, bucket.flat, bucket.work, bucket.chunk = True, None, None, None
 
     def _absent(self, bucket: _Bucket, flags: list[int] | None) -> set[int]:
         """Positions of ``bucket``'s parameters that got a gradient on no rank (they keep p.grad None); those
@@ -461,11 +494,11 @@ class BucketedGradReduce:
     def _reset(self) -> None:
         for bucket in self.buckets:
             bucket.ready, bucket.flat, bucket.work, bucket.chunk = 0, None, None, None
-            bucket.skipped = False
+            bucket.skipped = bucket.done = False
             if bucket.missing:
                 bucket.missing = []
         self._arrived.clear()
-        self._next_launch = 0
+        self._next_launch = self._next_release = 0
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
