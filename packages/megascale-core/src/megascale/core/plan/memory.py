@@ -13,7 +13,8 @@ states per parameter:
 (Rajbhandari et al. 2020, ZeRO, §5 with fp32 gradients.) ZeRO-2 keeps every gathered parameter from forward
 to backward (P in the compute dtype), ZeRO-3 about two units at a time (the one computing and the prefetched).
 Saved activations: ``ActivationModel`` per microbatch and stage, and ``schedule.peak_in_flight`` for the
-microbatches a rank holds at once. Buffers: the gradient-reduction buckets (two in flight) or the units
+microbatches a rank holds at once. Buffers: the gradient-reduction buckets (``grad_reduce.IN_FLIGHT`` in flight
+and one being filled; reduce-scattered, each one's output piece too) or the units
 reduce-scattered (ZeRO-1 "elements" all-gathers every bucket's new values in place: its parameters are views
 of the buckets); the pipeline's stages receive activations (every stage but
 the first) and gradients (every stage but the last) into buffers pooled over the microbatches in flight
@@ -32,6 +33,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
+from megascale.core.parallel.zero.grad_reduce import IN_FLIGHT
 from megascale.core.plan.activations import ActivationModel
 from megascale.core.plan.layout import OPTIMIZER_STATES, Layout, Workload
 from megascale.core.plan.schedule import microbatches_in_flight, peak_in_flight, receive_buffers
@@ -161,7 +163,10 @@ def rank_memory(
         gathered = 2 * _largest_unit(workload, layout, stages) * c
     bucket = plan.bucket_size_mb * _MIB
     if zero in (0, 1):
-        comm = min(2 * bucket, 4.0 * p)
+        # the reducer's flat buffers alive at once (IN_FLIGHT launched and the one being filled, fp32) and,
+        # reduce-scattered (ZeRO-1 "elements", dp > 1), each one's output piece (1/dp of it)
+        scattered = zero == 1 and plan.zero1_sharding == "elements" and layout.dp > 1
+        comm = min((IN_FLIGHT + 1) * bucket, 4.0 * p) * (1.0 + (1.0 / layout.dp if scattered else 0.0))
     else:  # a unit's unsharded gradient before its reduce-scatter
         comm = 4.0 * _largest_unit(workload, layout, stages)
     step = 4.0 * (p if zero == 0 else sharded)  # the optimizer's elementwise temporaries (foreach)
