@@ -62,15 +62,23 @@ def all_cells(seeds: int) -> list[Cell]:
     return cells
 
 
+# variants of a layout CI also runs in its main form (ZeRO-1 sharded by elements, tp2 with sequence parallelism)
+VARIANTS = ("dp2/zero1-params", "tp2/no-sp")
+
+
 def in_ci_tier(cell: Cell) -> bool:
-    """CI runs every cell on 2 ranks and a third of the 4-rank ones (4 ranks on CI's 2 cores cost 2.5x a
+    """CI runs every cell on 2 ranks but half of the two variant layouts' (``VARIANTS``: every other scenario,
+    alternating, and the plain one), and a third of the 4-rank ones (4 ranks on CI's 2 cores cost 2.5x a
     2-rank cell): each scenario under one 4-rank layout (turn by turn), each 4-rank layout resuming from two
     2-rank checkpoints and from each other, and every 4-rank checkpoint shrunk onto 2 ranks. The rest is the
     slow tier (``nox -s conformance`` runs all)."""
     assert cell.layout is not None
     world4 = [layout.name for layout in LAYOUTS if layout.world == 4]
+    if cell.layout in VARIANTS and cell.saved_under is None:  # every other scenario (and the plain one)
+        index = [s.name for s in SCENARIOS].index(cell.scenario)
+        return index == 0 or index % 2 == VARIANTS.index(cell.layout)
     if LAYOUT[cell.layout].world == 2:
-        return True  # 2-rank layouts: every scenario, every resume (from 2 or 4 ranks)
+        return True  # the other 2-rank layouts: every scenario, every resume (from 2 or 4 ranks)
     if cell.saved_under is None:  # the scenario's turn among the 4-rank layouts it runs under
         scenario = next(s for s in SCENARIOS if s.name == cell.scenario)
         runs_under = [name for name in world4 if LAYOUT[name].tp > 1 or not scenario.tp_only]
