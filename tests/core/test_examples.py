@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 # a small batch keeps it brief (the held-out loss still falls 5.6 -> 4.4 nats/byte in 20 steps)
 ARGS = ["examples/pretrain.py", "--steps", "20", "--corpus-mb", "0.3", "--batch-size", "8", "--seq-len", "64"]
@@ -29,6 +31,7 @@ def test_the_core_only_pretraining_example_lowers_the_held_out_loss_and_prints_a
     assert "held-out loss:" in result.stdout and "sample:\ndef " in result.stdout
 
 
+@pytest.mark.slow  # 4 ranks on 2 cores; CI tier: tests/core/test_compose.py trains every layout like one process
 def test_the_example_trains_split_over_tensor_and_pipeline_ranks_with_plain_torch():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
