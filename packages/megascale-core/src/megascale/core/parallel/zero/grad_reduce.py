@@ -56,7 +56,7 @@
 # Buffers are released as buckets are reduced: launching a bucket first completes every launched bucket but
 # the last IN_FLIGHT (waiting for its collective, which overlap has usually finished by then, and writing its
 # averages into the gradients), so at most IN_FLIGHT + 1 flat buffers live during backward, whatever the
-# model's size — what the planner counts (plan/memory.py: two buckets in flight). Before, every bucket's
+# model's size — what the planner counts (plan/memory.py imports IN_FLIGHT). Before, every bucket's
 # buffer stayed alive to the end of backward: one more copy of the gradients in reduce_dtype (ZeRO-0), and
 # the reduce-scatter's outputs as well (ZeRO-1: 1.5x at dp2). A bucket with a parameter that had no gradient
 # here waits for finish() (it needs the other ranks' flags); only finish() launches such buckets anyway.
