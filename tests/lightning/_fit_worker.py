@@ -120,6 +120,9 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         for key, value in part.items():
             weights.setdefault(key, value)
     out: dict[str, Any] = {"losses": record.losses, "weights": weights}
+    dims = getattr(trainer.strategy, "_dims", None)  # MegaScaleStrategy: the layout it ran
+    if dims is not None:
+        out["layout"] = {"dp": dims.dp, "pp": dims.pp, "cp": dims.cp, "tp": dims.tp}
     # the union batch of each step over every rank (tp and pp peers see the same samples)
     out["samples"] = [sorted(set().union(*step)) for step in zip(*_gather(record.samples))]
     if job.get("optimizer_state"):

@@ -41,10 +41,12 @@ STATE_TOL = 1e-4  # relative to the largest magnitude of each optimizer-state te
 # and the save after fit (Lightning has torn the strategy down then).
 WORLD2 = {
     "dp2/zero1 elements": (dict(zero_stage=1), 2),
+    "cp2/zero1": (dict(cp=2, zero_stage=1), 1),  # issue 26: saved at cp2, resumed at cp4 and on one process
 }
 WORLD4 = {
     "pp2×dp2/zero1": (dict(pp=2, zero_stage=1), 2),  # the layout of issue 22 item 10
     "dp4/zero1": (dict(zero_stage=1), 4),
+    "cp4/zero1": (dict(cp=4, zero_stage=1), 1),
 }
 LAYOUTS = {**WORLD2, **WORLD4}
 # saved by a ModelCheckpoint during a 6-step fit; the others by trainer.save_checkpoint after a 3-step fit
@@ -54,8 +56,10 @@ RESUMES = {
     "dp4/zero1": "pp2×dp2/zero1",  # issue 22 item 10: pp2×dp2 ZeRO-1 elements -> dp4 ZeRO-1
     "dp2/zero1 elements": "dp4/zero1",  # 4 -> 2: a run shrunk after losing ranks
     "pp2×dp2/zero1": "dp2/zero1 elements",  # 2 -> 4, no pp -> pp
+    "cp4/zero1": "cp2/zero1",  # the sequence split 4 ways instead of 2
+    "cp2/zero1": "cp4/zero1",
 }
-ONE_PROCESS_RESUMES = ("dp4/zero1",)
+ONE_PROCESS_RESUMES = ("dp4/zero1", "cp2/zero1")  # cp2 -> cp1
 
 
 def _slug(name: str) -> str:

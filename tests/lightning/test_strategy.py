@@ -1,5 +1,9 @@
 """MegaScaleStrategy against one process: every layout trains the same model on the same data identically.
 
+Layouts: dp × ZeRO 1-3, tp with and without sequence parallelism, pipelines (1F1B, GPipe, interleaved), and
+context parallelism (cp2, cp2 × dp2, cp2 × tp2, cp2 × pp2); each job's name is checked against the layout
+that ran.
+
 Each layout runs as a real ``Trainer.fit`` on gloo ranks (torchrun, one launch per world size for all its
 layouts) and is compared with the same ``GPTModule``/``TokenDataModule`` fitted on one process with
 Lightning's default strategy: same seed, same global batch (8 sequences per step), five AdamW steps with
@@ -16,6 +20,8 @@ that drops a reduction, double counts a norm or mis-splits the batch moves weigh
 """
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -56,10 +62,13 @@ WORLD2 = {
     "dp2/zero3": (dict(zero_stage=3), 2),
     "tp2": (dict(tp=2, sequence_parallel=False), 1),
     "tp2+sp": (dict(tp=2, sequence_parallel=True), 1),
+    "cp2": (dict(cp=2), 1),  # windows of 8 over chunks of 4: the halo spans two chunks
 }
 WORLD4 = {
     "tp2×dp2/zero2": (dict(tp=2, zero_stage=2), 2),
     "tp2×dp2/zero3": (dict(tp=2, zero_stage=3), 2),
+    "cp2×dp2/zero1": (dict(cp=2, zero_stage=1), 2),
+    "cp2×tp2+sp": (dict(cp=2, tp=2), 1),
 }
 # pipeline layouts (overlap flags concern tp/dp communication: run with the defaults)
 PIPELINE2 = {
@@ -72,6 +81,7 @@ PIPELINE4 = {
     "tp2×pp2": (dict(tp=2, pp=2), 1),
     "pp2×dp2/zero1": (dict(pp=2, zero_stage=1), 2),
     "pp2×dp2/zero2": (dict(pp=2, zero_stage=2), 2),
+    "cp2×pp2": (dict(cp=2, pp=2), 1),
 }
 
 
@@ -92,6 +102,15 @@ def _compare(result: dict, reference: dict, name: str, losses: bool = True) -> N
     assert worst <= WEIGHT_TOL, f"{name}: final weights differ by up to {worst:.2e}"
 
 
+def _check_layout(result: dict, name: str) -> None:
+    """The layout a job's name claims ("cp2×dp2/zero1 ...") is the one that ran (a size the strategy ignored
+    would fall back to data parallelism, which matches one process too)."""
+    claimed = dict(re.findall(r"(dp|pp|cp|tp)(\d+)", name.split()[0]))
+    ran = result["layout"]
+    assert all(ran[dim] == int(size) for dim, size in claimed.items()), f"{name}: ran {ran}"
+    assert all(ran[dim] == 1 for dim in ("pp", "cp", "tp") if dim not in claimed), f"{name}: ran {ran}"
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("reference")
@@ -109,6 +128,7 @@ def test_every_two_rank_layout_matches_one_process(reference, tmp_path):
         # with gradient accumulation Lightning logs each micro-batch's loss (half the global batch here):
         # only the weights are comparable
         _compare(result, reference["single"], name, losses="accumulate" not in name)
+        _check_layout(result, name)
 
 
 def test_every_four_rank_layout_matches_one_process(reference, tmp_path):
@@ -117,6 +137,7 @@ def test_every_four_rank_layout_matches_one_process(reference, tmp_path):
     results = fit(jobs, 4, tmp_path)
     for name, result in results.items():
         _compare(result, reference["single"], name)
+        _check_layout(result, name)
 
 
 def test_checkpoints_continue_identically_across_layouts(reference, tmp_path):

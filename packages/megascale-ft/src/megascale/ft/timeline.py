@@ -278,9 +278,9 @@ def _ordered(events: Mapping[int, Any], order: Sequence[int] | None) -> list[int
 
 
 def coordinate_order(coords: Mapping[int, Mapping[str, int]]) -> list[int]:
-    """Ranks grouped as a 3D-parallel job reads best: by pipeline stage, then tensor-parallel rank, then
-    data-parallel replica (ranks without coordinates last)."""
-    key = ("pp", "tp", "dp")
+    """Ranks grouped as a 3D-parallel job reads best: by pipeline stage, then context- and tensor-parallel
+    rank, then data-parallel replica (ranks without coordinates last)."""
+    key = ("pp", "cp", "tp", "dp")
     return sorted(coords, key=lambda r: (*(coords[r].get(k, 0) for k in key), r))
 
 

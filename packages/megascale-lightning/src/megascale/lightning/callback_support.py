@@ -39,7 +39,8 @@ __all__ = ["check_trainer_features"]
 
 
 def _layout(dims: ParallelDims, zero_stage: int) -> str:
-    return f"dp={dims.dp} × pp={dims.pp} × tp={dims.tp}, ZeRO stage {zero_stage}"
+    cp = f" × cp={dims.cp}" if dims.cp > 1 else ""
+    return f"dp={dims.dp} × pp={dims.pp}{cp} × tp={dims.tp}, ZeRO stage {zero_stage}"
 
 
 def check_trainer_features(

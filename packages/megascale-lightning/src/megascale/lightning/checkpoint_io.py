@@ -182,9 +182,11 @@ def layout_name(layout: dict[str, Any] | None) -> str:
     if not layout:
         return "an unrecorded layout (saved before megascale recorded layouts, or by another strategy)"
     name = f"dp{layout['dp']} × pp{layout['pp']} × tp{layout['tp']}"
+    if layout.get("cp", 1) > 1:  # recorded since context parallelism exists; older checkpoints: cp1
+        name = f"dp{layout['dp']} × pp{layout['pp']} × cp{layout['cp']} × tp{layout['tp']}"
     if layout.get("tp", 1) > 1:
         name += " (sequence parallel)" if layout.get("sequence_parallel") else " (no sequence parallelism)"
-    if layout["dp"] > 1:  # ZeRO shards over dp: nothing to name at dp1
+    if layout["dp"] * layout.get("cp", 1) > 1:  # ZeRO shards over dp × cp: nothing to name at 1
         name += f", ZeRO-{layout['zero_stage']}"
         if layout["zero_stage"] == 1:
             name += f" (zero1_sharding={layout.get('zero1_sharding')!r})"

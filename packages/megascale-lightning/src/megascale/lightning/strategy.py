@@ -6,7 +6,7 @@ module must offer, what is refused: see ``megascale/core/parallel/compose.py``).
 hooks to the runtime that returns:
 
 - ``setup_environment`` checks the sizes against the world, starts the process group and builds the
-  ("dp", "pp", "tp") DeviceMesh, which the LightningModule sees as ``self.device_mesh`` (also under
+  ("dp", "pp", "cp", "tp") DeviceMesh, which the LightningModule sees as ``self.device_mesh`` (also under
   ModelParallelStrategy's names "data_parallel" and "tensor_parallel");
 - ``setup`` parallelises the module built by ``configure_model`` (on the meta device unless
   ``meta_init=False``);
@@ -68,7 +68,8 @@ __all__ = ["MegaScaleStrategy"]
 
 
 class MegaScaleStrategy(ParallelStrategy):
-    """Tensor, pipeline and ZeRO data parallelism for any LightningModule (``dp`` = world size / (tp · pp)).
+    """Tensor, pipeline, context and ZeRO data parallelism for any LightningModule (``dp`` = world size /
+    (tp · pp · cp)).
 
     A megascale GPT is split as it is; a model of your own joins by what it declares (a
     ``tensor_parallel_plan``, ``pipeline_layers()``/``pipeline_loss()``, ``init_weights()``): see
@@ -77,6 +78,9 @@ class MegaScaleStrategy(ParallelStrategy):
     Args:
         tp: tensor-parallel size (ranks splitting every layer; keep it within a node).
         pp: pipeline-parallel size (ranks each holding a run of layers).
+        cp: context-parallel size (ranks each holding two chunks of every sequence: for long sequences;
+            megascale GPTs only). The cp ranks of a replica read the same samples and the model keeps its
+            chunks; gradients are averaged and ZeRO shards over dp × cp.
         num_microbatches: microbatches per step with pp > 1 (default pp); each rank's batch is split into them.
         schedule: pipeline schedule: "1f1b" (megascale's decoupled 1F1B), "interleaved" (needs
             virtual_stages ≥ 2) or "gpipe".
@@ -109,7 +113,7 @@ class MegaScaleStrategy(ParallelStrategy):
             values that data-parallel replicas and tensor-parallel ranks should hold equal, and stop the run
             naming any that differ (``megascale.core.parallel.replica_check``; one small all-gather per check);
             0 turns it off.
-        device_mesh: a ("dp", "pp", "tp") mesh to train on instead of building one at each fit
+        device_mesh: a ("dp", "pp", "cp", "tp") mesh to train on instead of building one at each fit
             (``ParallelDims.build_mesh``), for several fits in one process: each new mesh creates process
             groups that stay open (sockets, store keys) until the process ends.
     """
@@ -120,6 +124,7 @@ class MegaScaleStrategy(ParallelStrategy):
         self,
         tp: int = 1,
         pp: int = 1,
+        cp: int = 1,
         num_microbatches: int | None = None,
         schedule: Literal["1f1b", "interleaved", "gpipe"] = "1f1b",
         virtual_stages: int = 1,
@@ -153,7 +158,7 @@ class MegaScaleStrategy(ParallelStrategy):
             precision_plugin=precision_plugin,
         )
         self.plan = ParallelPlan(
-            tp=tp, pp=pp, zero_stage=zero_stage, zero1_sharding=zero1_sharding, num_microbatches=num_microbatches, schedule=schedule,
+            tp=tp, pp=pp, cp=cp, zero_stage=zero_stage, zero1_sharding=zero1_sharding, num_microbatches=num_microbatches, schedule=schedule,
             virtual_stages=virtual_stages, pipeline_split=tuple(pipeline_split) if pipeline_split else None,
             sequence_parallel=sequence_parallel, overlap_tp_comm=overlap_tp_comm, tp_comm_chunks=tp_comm_chunks,
             overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather,
@@ -187,6 +192,10 @@ class MegaScaleStrategy(ParallelStrategy):
         return self.plan.pp
 
     @property
+    def cp(self) -> int:
+        return self.plan.cp
+
+    @property
     def zero_stage(self) -> int:
         return self.plan.zero_stage
 
@@ -198,7 +207,7 @@ class MegaScaleStrategy(ParallelStrategy):
 
     @property
     def device_mesh(self) -> DeviceMesh:
-        """The ("dp", "pp", "tp") DeviceMesh (also ``LightningModule.device_mesh``)."""
+        """The ("dp", "pp", "cp", "tp") DeviceMesh (also ``LightningModule.device_mesh``)."""
         if self._mesh is None:
             raise RuntimeError("the device mesh exists once the strategy's environment is set up")
         return self._mesh
@@ -228,7 +237,8 @@ class MegaScaleStrategy(ParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """Data parallel rank and size: ranks of one TP group (and pipeline) read the same samples."""
+        """Data parallel rank and size: ranks of one TP group (and pipeline, and cp group) read the same
+        samples."""
         mesh = self.device_mesh["dp"]
         return {"num_replicas": mesh.size(), "rank": mesh.get_local_rank()}
 
@@ -285,7 +295,9 @@ class MegaScaleStrategy(ParallelStrategy):
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._mesh
         rank_zero_info(
-            f"MegaScaleStrategy: dp={self._dims.dp} × pp={self._dims.pp} × tp={self._dims.tp} "
+            f"MegaScaleStrategy: dp={self._dims.dp} × pp={self._dims.pp} × "
+            + (f"cp={self._dims.cp} × " if self._dims.cp > 1 else "")
+            + f"tp={self._dims.tp} "
             f"(world {self._dims.world_size}), ZeRO stage {self.zero_stage}"
         )
 
@@ -294,11 +306,11 @@ class MegaScaleStrategy(ParallelStrategy):
         if given is None:
             return dims.build_mesh(self.root_device.type)
         shape = tuple(given.mesh.shape)
-        if given.mesh_dim_names != MESH_DIMS or shape != (dims.dp, dims.pp, dims.tp):
+        if given.mesh_dim_names != MESH_DIMS or shape != dims.shape:
             raise ValueError(
                 f"device_mesh has dimensions {given.mesh_dim_names} of sizes {shape}; this layout needs "
-                f"{MESH_DIMS} of sizes {(dims.dp, dims.pp, dims.tp)}: build it with "
-                f"ParallelDims(dp={dims.dp}, pp={dims.pp}, tp={dims.tp}).build_mesh(device_type)"
+                f"{MESH_DIMS} of sizes {dims.shape}: build it with "
+                f"ParallelDims(dp={dims.dp}, pp={dims.pp}, tp={dims.tp}, cp={dims.cp}).build_mesh(device_type)"
             )
         return given
 
@@ -513,7 +525,7 @@ class MegaScaleStrategy(ParallelStrategy):
         """This run's layout as a checkpoint records it (``checkpoint_io.LAYOUT_KEY``, ``layout_name``)."""
         dims = self.runtime.dims
         return dict(
-            dp=dims.dp, pp=dims.pp, tp=dims.tp, zero_stage=self.plan.zero_stage,
+            dp=dims.dp, pp=dims.pp, cp=dims.cp, tp=dims.tp, zero_stage=self.plan.zero_stage,
             zero1_sharding=self.plan.zero1_sharding, sequence_parallel=self.plan.sequence_parallel,
         )  # fmt: skip
 

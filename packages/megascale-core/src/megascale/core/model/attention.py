@@ -8,6 +8,8 @@ all heads: tensor parallelism replicates them and sums their gradients over the 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -16,6 +18,9 @@ from megascale.core.config import GPTConfig
 from megascale.core.model.linear import FanInLinear, FanOutLinear
 from megascale.core.model.norm import make_norm
 from megascale.core.model.rope import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from megascale.core.parallel.cp import ContextParallel
 
 __all__ = ["Attention", "SelfAttention", "qkv_bias_names", "qkv_features"]
 
@@ -37,7 +42,11 @@ class SelfAttention(nn.Module):
     """softmax(rope(q) rope(k)^T / sqrt(hd) + causal/window mask) v, on (B, T, heads·hd) projections.
 
     With ``qk_norm``, q and k are normalised per head (``q_norm``, ``k_norm``) before the rotary embedding.
+    Under context parallelism (``context_parallel``, set by ``apply_context_parallel``) the tokens are two
+    chunks of a longer sequence: rotary angles at their positions, keys/values of the others brought in.
     """
+
+    context_parallel: ContextParallel | None = None
 
     def __init__(self, config: GPTConfig, rope: RotaryEmbedding, window: int | None) -> None:
         super().__init__()
@@ -57,8 +66,14 @@ class SelfAttention(nn.Module):
         v = v.view(B, T, -1, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = kernels.apply_rope(q, self.rope.cos, self.rope.sin, backend=self.rope_backend)
-        k = kernels.apply_rope(k, self.rope.cos, self.rope.sin, backend=self.rope_backend)
+        cos, sin = self.rope.cos, self.rope.sin
+        cp = self.context_parallel
+        if cp is not None:
+            cos, sin = cp.rope_tables(cos, sin, T)
+        q = kernels.apply_rope(q, cos, sin, backend=self.rope_backend)
+        k = kernels.apply_rope(k, cos, sin, backend=self.rope_backend)
+        if cp is not None:
+            return cp.attention(q, k, v, window=self.window).reshape(B, T, -1)
         y = kernels.attention(
             q,
             k,

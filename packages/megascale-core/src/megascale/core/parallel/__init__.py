@@ -1,7 +1,7 @@
 """Parallelisms applied to a built model, one file each, composed in one order by ``parallelize``.
 
 plan = ParallelPlan(tp=2, pp=2, zero_stage=1)                       # every rule checked here
-mesh = plan.dims(world_size).build_mesh("cuda")                      # ("dp", "pp", "tp")
+mesh = plan.dims(world_size).build_mesh("cuda")                      # ("dp", "pp", "cp", "tp")
 runtime = parallelize(model, plan, mesh, device="cuda")              # compose.py: the order
 """
 

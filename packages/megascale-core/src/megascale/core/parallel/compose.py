@@ -3,18 +3,21 @@
     runtime = parallelize(module, plan, mesh, device=device)
 
 ``module`` is whatever holds the model: a LightningModule, or any ``nn.Module``, built on the meta device or
-not. ``mesh`` is the ("dp", "pp", "tp") DeviceMesh of ``ParallelDims.build_mesh``. The order:
+not. ``mesh`` is the ("dp", "pp", "cp", "tp") DeviceMesh of ``ParallelDims.build_mesh``. The order:
 
 1. tensor (+ sequence) parallelism on "tp" — first, because it decides what each parameter is: every
    megascale GPT by ``apply_tensor_parallel``, every module declaring a ``tensor_parallel_plan`` by
    ``apply_tensor_parallel_plan``; parameters the module split itself (DTensors on "tp") are kept;
+1b. context parallelism on "cp": every megascale GPT's attention cores exchange keys/values and its loss
+   becomes the whole sequence's mean (``cp.apply_context_parallel``); another model with cp > 1 is refused;
 2. pipeline split on "pp": the one model offering ``pipeline_layers()``/``pipeline_loss()`` keeps this
    rank's stages — still on the meta device, so no rank materialises the whole model;
 3. materialisation of meta tensors (``materialize``: each module's own init, the same values in any layout;
    a GPT whose ``pretrained`` names a Hugging Face checkpoint reads its slices of it here, before ZeRO, so
    ZeRO-2/3 shard the loaded values);
 4. activation checkpointing — wraps the already-split blocks, so recomputation replays their collectives;
-5. data-parallel replicas made equal (rank 0's values), then ZeRO on "dp" over *every* parameter of
+5. data-parallel replicas made equal (rank 0's values), then ZeRO on "dp" (on "dp" × "cp" flattened when
+   cp > 1: context-parallel ranks hold the same parameters and average their gradients) over *every* parameter of
    ``module`` (``zero.apply_zero``): units per block where the model lists its blocks, the rest under
    ``module`` itself, whose forward must run around the training step (MegaScaleStrategy runs training_step
    inside it, as Lightning does for DDP and FSDP wrappers);
@@ -157,14 +160,16 @@ def parallelize(
         module: the model, or the LightningModule holding it (its forward must run around every use of
             parameters outside the listed blocks under ZeRO; see the module docstring).
         plan: the layout; its sizes must match ``mesh``.
-        mesh: the ("dp", "pp", "tp") mesh (``ParallelDims.build_mesh``).
+        mesh: the ("dp", "pp", "cp", "tp") mesh (``ParallelDims.build_mesh``).
         device: where materialised and moved tensors go.
         param_dtype: ZeRO-2/3 gather parameters in this dtype (bf16 under mixed precision).
     """
-    dims = ParallelDims(dp=mesh["dp"].size(), pp=mesh["pp"].size(), tp=mesh["tp"].size())
-    if (dims.tp, dims.pp) != (plan.tp, plan.pp):
+    cp = mesh["cp"].size() if "cp" in (mesh.mesh_dim_names or ()) else 1
+    dims = ParallelDims(dp=mesh["dp"].size(), pp=mesh["pp"].size(), tp=mesh["tp"].size(), cp=cp)
+    if (dims.tp, dims.pp, dims.cp) != (plan.tp, plan.pp, plan.cp):
         raise ValueError(
-            f"the mesh is dp×pp×tp = {dims.dp}×{dims.pp}×{dims.tp}, the plan tp={plan.tp}, pp={plan.pp}"
+            f"the mesh is dp×pp×cp×tp = {dims.dp}×{dims.pp}×{dims.cp}×{dims.tp}, the plan tp={plan.tp}, "
+            f"pp={plan.pp}, cp={plan.cp}"
         )
     plan.check_model(module)
     user_fsdp = _check_foreign_sharding(module, mesh, dims)
@@ -175,6 +180,9 @@ def parallelize(
     if dims.tp > 1:  # 1.
         tp_notes, region_check = _apply_tensor_parallel(module, gpts, plan, mesh["tp"])
         notes += tp_notes
+    if dims.cp > 1:  # 1b.
+        _apply_context_parallel(module, gpts, mesh["cp"])
+    replicas = _replica_mesh(mesh, dims)
     stages: list[StageModule] = []
     pipelined: nn.Module | None = None
     if dims.pp > 1:  # 2.
@@ -195,7 +203,7 @@ def parallelize(
         apply_activation_checkpointing(
             module, plan.activation_checkpointing, plan.checkpoint_modules, blocks, rng=rng
         )
-    _broadcast_replicas(module, mesh["dp"])  # 5.
+    _broadcast_replicas(module, replicas)  # 5.
     if user_fsdp:
         zero = ZeroRuntime()
         notes.append(
@@ -209,7 +217,7 @@ def parallelize(
             else [UnitTree(module, _unit_segments(module, plan.zero_stage >= 2), cast_inputs=False)]
         )
         zero = apply_zero(
-            trees, mesh["dp"], stage=plan.zero_stage, bucket_size_mb=plan.bucket_size_mb,
+            trees, replicas, stage=plan.zero_stage, bucket_size_mb=plan.bucket_size_mb,
             overlap_grad_reduce=plan.overlap_grad_reduce, overlap_param_gather=plan.overlap_param_gather,
             param_dtype=param_dtype, accumulations=plan.microbatches if stages else 1, zero1_root=module,
             zero1_sharding=plan.zero1_sharding,
@@ -269,8 +277,9 @@ def _model_parallel_rng(
 def _submeshes(mesh: DeviceMesh) -> set[str]:
     """Rank layouts of every sub-mesh of ``mesh``, to recognise a DTensor's mesh."""
     out = set()
-    for n in range(1, len(MESH_DIMS) + 1):
-        for dims in itertools.combinations(MESH_DIMS, n):
+    names = mesh.mesh_dim_names or MESH_DIMS
+    for n in range(1, len(names) + 1):
+        for dims in itertools.combinations(names, n):
             out.add(repr(mesh[dims].mesh.tolist()))
     return out
 
@@ -413,6 +422,30 @@ def _check_ties_kept(module: nn.Module, ties: dict[int, list[tuple[str, nn.Modul
                 "weight the same way (an embedding 'rowwise' with its LM head 'colwise'/'colwise_rep'), or untie "
                 "them"
             )
+
+
+# ---- 1b. context parallelism -----------------------------------------------------------------------------
+
+
+def _apply_context_parallel(module: nn.Module, gpts: list[GPT], cp_mesh: DeviceMesh) -> None:
+    from megascale.core.parallel.cp import apply_context_parallel
+
+    if not gpts:
+        raise ValueError(
+            f"cp={cp_mesh.size()}: context parallelism splits the sequence inside attention, and "
+            f"{type(module).__name__} holds no megascale GPT whose attention knows how (a model of your own "
+            "cannot declare its attention context-parallel yet); use cp=1"
+        )
+    for gpt in gpts:
+        apply_context_parallel(gpt, cp_mesh)
+
+
+def _replica_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
+    """The ranks holding the same parameters, over which gradients are averaged and ZeRO shards: "dp", or
+    "dp" and "cp" flattened into one dimension (named "dp_cp") under context parallelism."""
+    if dims.cp == 1:
+        return mesh["dp"]
+    return mesh["dp", "cp"]._flatten("dp_cp")
 
 
 # ---- 2. pipeline -----------------------------------------------------------------------------------------

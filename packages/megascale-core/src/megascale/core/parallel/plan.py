@@ -29,11 +29,13 @@ ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 
 @dataclass(frozen=True)
 class ParallelPlan:
-    """Sizes and switches of tensor × pipeline × ZeRO data parallelism (``dp`` = world / (tp · pp)).
+    """Sizes and switches of tensor × pipeline × context × ZeRO data parallelism (``dp`` = world / (tp·pp·cp)).
 
     Args:
         tp: tensor-parallel size (ranks splitting every layer; keep it within a node).
         pp: pipeline-parallel size (ranks each holding a run of layers).
+        cp: context-parallel size (ranks each holding two chunks of every sequence, ``parallel/cp``); the
+            data-parallel gradient reduction and ZeRO span dp × cp ranks.
         zero_stage: 0 replicate everything (DDP-like); 1 shard optimizer state; 2 also gradients;
             3 also parameters (refused with pp > 1: it would gather every stage's parameters again for each
             microbatch).
@@ -62,6 +64,7 @@ class ParallelPlan:
     tp: int = 1
     pp: int = 1
     zero_stage: int = 1
+    cp: int = 1
     zero1_sharding: Literal["elements", "parameters"] = "elements"
     num_microbatches: int | None = None
     schedule: Literal["1f1b", "interleaved", "gpipe"] = "1f1b"
@@ -77,7 +80,7 @@ class ParallelPlan:
     checkpoint_modules: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "tp_comm_chunks", "virtual_stages"):
+        for name in ("tp", "pp", "cp", "tp_comm_chunks", "virtual_stages"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r}: must be a positive integer")
@@ -124,8 +127,8 @@ class ParallelPlan:
     # ---- against a world ----------------------------------------------------------------------------------
 
     def dims(self, world_size: int) -> ParallelDims:
-        """dp × pp × tp for ``world_size`` ranks; ValueError naming what fits otherwise."""
-        return ParallelDims.infer(world_size, tp=self.tp, pp=self.pp)
+        """dp × pp × cp × tp for ``world_size`` ranks; ValueError naming what fits otherwise."""
+        return ParallelDims.infer(world_size, tp=self.tp, pp=self.pp, cp=self.cp)
 
     # ---- against a model ----------------------------------------------------------------------------------
 
@@ -170,6 +173,10 @@ class ParallelPlan:
     def check_gpt_config(self, config: GPTConfig) -> None:
         """Check this plan against a GPT's configuration (before the GPT exists)."""
         config.check_tensor_parallel(self.tp)
+        if self.cp > 1:
+            from megascale.core.parallel.cp.apply import check_context_parallel
+
+            check_context_parallel(config, self.cp)
         if self.pp > 1:
             if config.tie_embeddings:
                 raise ValueError(

@@ -1,0 +1,30 @@
+"""Context parallelism: every sequence split over the "cp" ranks, attention exchanging keys/values.
+
+- ``sharding``: two mirrored chunks per rank (balanced causal work), their positions; ``shard_sequence``
+  for the data.
+- ``kv_exchange``: the keys/values a rank lacks, all-gathered (full attention) or only the sliding window's
+  tails, point to point.
+- ``attention``: ``ContextParallel``, what an attention core calls under cp.
+- ``loss``: the whole sequence's mean loss from each rank's part.
+- ``apply``: ``apply_context_parallel`` for a megascale GPT.
+"""
+
+from megascale.core.parallel.cp.apply import apply_context_parallel, check_context_parallel
+from megascale.core.parallel.cp.attention import ContextParallel
+from megascale.core.parallel.cp.kv_exchange import HaloPlan, exchange_halo, gather_kv, halo_plan
+from megascale.core.parallel.cp.loss import ContextParallelLoss
+from megascale.core.parallel.cp.sharding import positions, shard_sequence, unshard_sequence
+
+__all__ = [
+    "ContextParallel",
+    "ContextParallelLoss",
+    "HaloPlan",
+    "apply_context_parallel",
+    "check_context_parallel",
+    "exchange_halo",
+    "gather_kv",
+    "halo_plan",
+    "positions",
+    "shard_sequence",
+    "unshard_sequence",
+]

@@ -1,0 +1,237 @@
+"""Context parallelism (``parallel/cp``): each rank holds two chunks of every sequence, against one process.
+
+Every layout trains a megascale GPT (grouped-query heads, RoPE; full attention, or sliding windows on every
+other layer) for three steps of SGD with momentum and weight decay, clipped by the global norm, every cp rank
+of a dp replica given that replica's whole sequences (the model keeps its chunks), against one process stepping the whole model on the union batch. Checked: the loss every
+rank returns (the whole batch's mean, also on cp ranks that hold different tokens), the updated weights,
+and what user code sees of the gradients (the clipped global norm, which every step reaches).
+
+Tolerance: float32; a layout differs from one process only in the order of sums (attention over keys in
+another order, gradients averaged over dp·cp, the loss summed over cp): ~1e-6 relative on gradients (the
+norms agree to 2e-6). SGD is linear in the gradients, so weights differ by lr × that (observed ~1e-8, bound
+1e-6; an optimizer that normalises per element, like AdamW, would turn the noise of near-zero gradients into
+differences of up to lr, which says nothing about the layout). What a bug does: a missed key, a wrong
+position or a dropped cp average changes the loss by ~1e-2 and the weights by ~lr × |grad| ≈ 1e-3.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megascale.core import GPT, GPTConfig
+from megascale.core.parallel import ParallelPlan, clip_grad_norm_, materialize, parallelize
+from megascale.core.parallel.cp import halo_plan, positions, shard_sequence, unshard_sequence
+from megascale.core.parallel.cp.kv_exchange import choose
+from megascale.core.parallel.cp.sharding import chunk_owner
+from tests._dist import run_distributed
+from tests._models import full_weights
+from tests.core._tiny import TINY_GQA_GPT
+
+WEIGHT_TOL = 1e-6
+LOSS_TOL = 1e-5
+STEPS = 3
+LR = 0.05
+MAX_NORM = 0.5
+BATCH = 4
+SEQ = 16
+
+
+# ---- the sharding and the halo, without processes -------------------------------------------------------
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3, 4])
+def test_chunks_are_balanced_and_unshard_inverts_shard(cp: int) -> None:
+    T = 4 * cp
+    x = torch.arange(T).unsqueeze(0)
+    shards = [shard_sequence(x, r, cp) for r in range(cp)]
+    assert torch.equal(unshard_sequence(shards), x)
+    for r, shard in enumerate(shards):
+        assert torch.equal(positions(T // cp, r, cp), shard[0])
+    # causal work: (query, key) pairs each rank's queries see are equal
+    work = [int((positions(T // cp, r, cp) + 1).sum()) for r in range(cp)]
+    assert len(set(work)) == 1, work
+
+
+def test_a_sequence_that_does_not_split_into_two_chunks_per_rank_is_refused() -> None:
+    with pytest.raises(ValueError, match="divisible by 4"):
+        shard_sequence(torch.zeros(1, 6), 0, 2)
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4])
+@pytest.mark.parametrize("window", [1, 2, 3, 5, 8, 13])
+def test_the_halo_brings_exactly_the_keys_each_window_needs(cp: int, window: int) -> None:
+    local = 8  # chunks of 4
+    plan = halo_plan(local, cp, window)
+    for rank in range(cp):
+        q_pos = positions(local, rank, cp).tolist()
+        have = set(q_pos)
+        received = plan.positions(rank).tolist()
+        assert len(received) == len(set(received)) and not have & set(received), "a key held twice"
+        needed = {k for t in q_pos for k in range(max(0, t - window + 1), t + 1)}
+        assert needed <= have | set(received), f"rank {rank} lacks {sorted(needed - have - set(received))}"
+        assert set(received) <= needed, f"rank {rank} receives keys it never uses"
+        for i, q, _ in plan.transfers:
+            assert chunk_owner(i, cp) != q
+    # the halo is chosen while it moves less than the all-gather: a short window always
+    if window - 1 <= local // 2:
+        assert choose(local, cp, window) is plan
+        assert max(plan.received(r) for r in range(cp)) <= 2 * (window - 1)
+
+
+# ---- layouts against one process ------------------------------------------------------------------------
+
+
+def _config(windowed: bool) -> GPTConfig:
+    extra = dict(sliding_window=3, full_attention_every=2) if windowed else {}
+    return GPTConfig(**{**TINY_GQA_GPT, "n_layers": 4, "max_seq_len": SEQ, **extra})
+
+
+def _build(windowed: bool) -> GPT:
+    torch.manual_seed(0)
+    return GPT(_config(windowed))
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 + step)
+    tokens = torch.randint(0, 60, (BATCH, SEQ + 1), generator=gen)
+    targets = tokens[:, 1:].clone()
+    # Ignored targets: at cp4 rank 1 holds positions 2-3 and 12-13, all of them ignored (it adds nothing, and
+    # no NaN). The same in every row: dp replicas average their own means, as DDP does, which is the union
+    # batch's mean only when they count the same targets.
+    targets[:, :5] = -100
+    targets[:, 12:14] = -100
+    return tokens[:, :-1], targets
+
+
+def _train(model: GPT, runtime: Any, dp_rank: int, dp: int) -> dict[str, list[float]]:
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9, weight_decay=0.1)
+    if runtime is not None:
+        runtime.zero.attach_optimizers([optimizer])
+    losses, norms = [], []
+    for step in range(STEPS):
+        tokens, targets = _batch(step)
+        share = BATCH // dp
+        rows = slice(dp_rank * share, (dp_rank + 1) * share)
+        tokens, targets = tokens[rows], targets[rows]  # whole sequences: the model keeps its chunks
+        loss = model(tokens, targets)
+        if runtime is None or runtime.pipeline is None:
+            loss.backward()
+        if runtime is not None:
+            runtime.zero.after_backward()
+        norm = clip_grad_norm_(
+            model.parameters(), MAX_NORM, sum_group=runtime.grad_norm_group if runtime else None
+        )
+        if runtime is not None:
+            runtime.zero.before_optimizer_step(optimizer)
+        optimizer.step()
+        if runtime is not None:
+            runtime.zero.after_optimizer_step(optimizer)
+        optimizer.zero_grad(set_to_none=True)
+        value = loss.detach().float()
+        if dp > 1:  # the global batch's loss: the mean over the dp replicas
+            dist.all_reduce(value, group=runtime.mesh["dp"].get_group())
+            value /= dp
+        losses.append(float(value))
+        norms.append(float(norm))
+    if runtime is not None:
+        runtime.zero.wait_for_params()
+    return {"losses": losses, "norms": norms}
+
+
+def _reference(windowed: bool) -> dict[str, Any]:
+    with torch.device("meta"):
+        model = _build(windowed)
+    materialize(model, "cpu", seed=torch.initial_seed())
+    out = _train(model, None, 0, 1)
+    return {**out, "weights": full_weights(model, exclude="rope")}
+
+
+def _layout_worker(rank: int, world: int, layouts: list[tuple[dict[str, Any], bool]]) -> dict[str, Any]:
+    out = {}
+    for kw, windowed in layouts:
+        plan = ParallelPlan(**kw)
+        mesh = plan.dims(world).build_mesh("cpu")
+        with torch.device("meta"):
+            model = _build(windowed)
+        runtime = parallelize(model, plan, mesh, device="cpu")
+        got = _train(model, runtime, mesh["dp"].get_local_rank(), mesh["dp"].size())
+        out[repr((kw, windowed))] = {**got, "weights": full_weights(model, exclude="rope")}
+        runtime.zero.remove()
+    return out
+
+
+def _compare(got: dict[str, Any], want: dict[str, Any], name: str) -> None:
+    assert got["losses"] == pytest.approx(want["losses"], abs=LOSS_TOL), name
+    assert got["norms"] == pytest.approx(want["norms"], rel=1e-5), name
+    assert all(n > MAX_NORM for n in want["norms"]), "every step must clip"
+    assert got["weights"].keys() == want["weights"].keys(), name
+    worst, where = max(
+        ((got["weights"][k] - want["weights"][k]).abs().max().item(), k) for k in want["weights"]
+    )
+    assert worst <= WEIGHT_TOL, f"{name}: weights differ by up to {worst:.2e} ({where})"
+    assert all(math.isfinite(v) for v in got["losses"])
+
+
+TWO_RANKS = [
+    (dict(cp=2, zero_stage=1), False),
+    (dict(cp=2, zero_stage=0), True),
+]
+FOUR_RANKS = [
+    (dict(cp=4, zero_stage=1), True),
+    (dict(cp=2, zero_stage=1), False),  # dp2 × cp2
+    (dict(cp=2, zero_stage=3), True),  # dp2 × cp2, parameters sharded over all four
+    (dict(cp=2, tp=2, zero_stage=1), True),  # with sequence parallelism
+    (dict(cp=2, pp=2, zero_stage=1, num_microbatches=2), False),
+]
+
+
+@pytest.mark.parametrize(("world", "layouts"), [(2, TWO_RANKS), (4, FOUR_RANKS)], ids=["2 ranks", "4 ranks"])
+def test_every_context_parallel_layout_trains_like_one_process(world: int, layouts: list) -> None:
+    results = run_distributed(_layout_worker, world, layouts, timeout=300)
+    for windowed in {w for _, w in layouts}:
+        want = _reference(windowed)
+        for kw, w in layouts:
+            if w != windowed:
+                continue
+            name = f"{kw}, windows={windowed}"
+            for rank, result in enumerate(results):
+                _compare(result[repr((kw, w))], want, f"{name}, rank {rank}")
+
+
+LONG = 64
+
+
+def _exchange_worker(rank: int, world: int) -> dict[str, Any]:
+    """What the forward of one full and one windowed attention layer moves, at cp = world."""
+    from megascale.core.comm_meter import CollectiveMeter
+
+    plan = ParallelPlan(cp=world, zero_stage=0)
+    mesh = plan.dims(world).build_mesh("cpu")
+    out = {}
+    for window in (None, 3):
+        torch.manual_seed(0)
+        config = GPTConfig(**{**TINY_GQA_GPT, "n_layers": 1, "max_seq_len": LONG, "sliding_window": window})
+        model = GPT(config)
+        parallelize(model, plan, mesh, device="cpu").zero.remove()
+        tokens = torch.randint(0, 60, (1, LONG))
+        with CollectiveMeter() as meter:
+            model(tokens)
+        out[str(window)] = dict(meter.kinds()), {k: meter.payload_bytes(k) for k in meter.kinds()}
+    return out
+
+
+def test_a_sliding_window_moves_only_its_halo_and_full_attention_gathers_every_key() -> None:
+    token_bytes = 2 * TINY_GQA_GPT["n_kv_heads"] * (TINY_GQA_GPT["d_model"] // TINY_GQA_GPT["n_heads"]) * 4
+    for rank, result in enumerate(run_distributed(_exchange_worker, 2, timeout=120)):
+        kinds, payload = result["None"]
+        assert kinds == {"all_gather": 1}, kinds  # keys and values in one collective
+        assert payload["all_gather"] == LONG * token_bytes
+        kinds, payload = result["3"]
+        assert "all_gather" not in kinds, kinds
+        # one tail of window − 1 = 2 tokens each way: 1/32 of the all-gather at 64 tokens
+        assert payload["send"] == 2 * token_bytes, (rank, payload)
