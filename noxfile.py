@@ -1,9 +1,11 @@
 """Sessions for the megascale monorepo.
 
-    nox                 what CI runs: lint, each package's tests with that package installed alone (the
-                        à-la-carte proof; the conformance matrix with megascale-lightning's), the tests that
-                        need several packages and the type check (all installed together), docs. The CI tier:
-                        tests marked ``slow`` are left out (see below)
+    nox                 what CI runs (session ``ci``): lint, each package's tests with that package installed
+                        alone (the à-la-carte proof; the conformance matrix with megascale-lightning's), the
+                        tests that need several packages and the type check (all installed together), docs,
+                        in two lanes side by side (``LANES``). The CI tier: tests marked ``slow`` are left
+                        out (see below). ``nox -s lint core lightning data ft integration docs`` runs the
+                        same one after another
     nox -s slow         the slow tier, all packages installed together: what repeats a feature the CI tier
                         proves, under more layouts or faults, or runs an example end to end for minutes
     nox -s tests        every package installed together, both tiers
@@ -22,6 +24,9 @@ here; without the pin pip would resolve a multi-GB CUDA build. The packages them
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import nox
@@ -35,7 +40,12 @@ SESSIONS = ["lint", "core", "lightning", "data", "ft", "integration", "docs"]
 # CI's tier: a test marked slow repeats what another proves (more layouts, more faults) or runs minutes of an
 # example; `nox -s slow` runs them. CI must stay under 40 minutes on 2 cores.
 CI_TIER = ["-m", "not slow"]
-nox.options.sessions = SESSIONS
+# CI runs SESSIONS in two lanes at once: one suite leaves the 2 cores ~40% idle (one rank importing while its
+# peer waits, heartbeat and restart waits of megascale-ft), which the other lane uses. Balanced by the
+# sessions' lengths run alone (lightning 12 min, integration 11, core 7, ft 7, data 4).
+LANES = (["lightning", "ft", "docs"], ["lint", "core", "data", "integration"])
+assert sorted(s for lane in LANES for s in lane) == sorted(SESSIONS)
+nox.options.sessions = ["ci"]
 nox.options.error_on_missing_interpreters = True
 
 CONSTRAINTS = ".ci/constraints.txt"
@@ -121,6 +131,36 @@ def integration(session: nox.Session) -> None:
     _install(session, "packages/megascale-core", *PACKAGES.values(), *TEST_DEPS, *BENCH_DEPS, "mypy>=1.10")
     _mypy(session)
     _pytest(session, *CI_TIER, "tests/integration")
+
+
+@nox.session(venv_backend="none")
+def ci(session: nox.Session) -> None:
+    """What CI runs: every session of SESSIONS, in the two LANES side by side (each lane a nox of its own, its
+    lines prefixed with its first session's name); fails if any session failed."""
+    lanes = []
+    for lane in LANES:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "nox", "-s", *lane, "--", *session.posargs],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+        )  # fmt: skip
+        echo = threading.Thread(target=_echo, args=(proc, f"[{'+'.join(lane)}] "))
+        echo.start()
+        lanes.append((lane, proc, echo))
+    failed = []
+    for lane, proc, echo in lanes:
+        proc.wait()
+        echo.join()
+        if proc.returncode:
+            failed.append("+".join(lane))
+    if failed:
+        session.error(f"failed: {', '.join(failed)} (each lane's own summary is above)")
+
+
+def _echo(proc: subprocess.Popen, prefix: str) -> None:
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        sys.stdout.write(prefix + line)
+        sys.stdout.flush()
 
 
 @nox.session
