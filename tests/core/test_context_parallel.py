@@ -26,6 +26,8 @@ import torch.distributed as dist
 from megascale.core import GPT, GPTConfig
 from megascale.core.parallel import ParallelPlan, clip_grad_norm_, materialize, parallelize
 from megascale.core.parallel.cp import halo_plan, positions, shard_sequence, unshard_sequence
+from megascale.core.parallel.cp.attention import attention_mask
+from megascale.core.parallel.cp.block_attention import block_attention, block_plan
 from megascale.core.parallel.cp.kv_exchange import choose
 from megascale.core.parallel.cp.sharding import chunk_owner
 from tests._dist import run_distributed
@@ -81,6 +83,40 @@ def test_the_halo_brings_exactly_the_keys_each_window_needs(cp: int, window: int
     if window - 1 <= local // 2:
         assert choose(local, cp, window) is plan
         assert max(plan.received(r) for r in range(cp)) <= 2 * (window - 1)
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3])
+@pytest.mark.parametrize("window", [None, 1, 3, 6, 40])
+def test_block_attention_is_sdpa_with_the_positions_mask_forward_and_backward(
+    cp: int, window: int | None
+) -> None:
+    """Every rank's layout of keys (all gathered, or the halo and its own), grouped-query heads: the blocks'
+    online softmax and recomputing backward against SDPA over the dense mask built from the positions."""
+    local = 12  # chunks of 6
+    gen = torch.Generator().manual_seed(cp * 100 + (window or 0))
+    for rank in range(cp):
+        q_pos = positions(local, rank, cp)
+        halo = choose(local, cp, window) if cp > 1 else None
+        if halo is None:
+            k_pos = torch.cat([positions(local, r, cp) for r in range(cp)])
+        else:
+            k_pos = torch.cat((halo.positions(rank), q_pos))
+        q = torch.randn(2, local, 4, 8, generator=gen, requires_grad=True)
+        k, v = (torch.randn(2, len(k_pos), 2, 8, generator=gen, requires_grad=True) for _ in range(2))
+        plan = block_plan(tuple(q_pos.tolist()), tuple(k_pos.tolist()), window)
+        got = block_attention(q, k, v, plan)
+        mask = attention_mask(q_pos, k_pos, window)
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, enable_gqa=True
+        ).transpose(1, 2)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        dout = torch.randn(got.shape, generator=gen)
+        grads = torch.autograd.grad(got, (q, k, v), dout)
+        wants = torch.autograd.grad(want, (q, k, v), dout)
+        for name, g, w in zip("qkv", grads, wants):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=f"d{name}, rank {rank}")
+        masked = sum(kind == "masked" for pairs in plan.pairs for _, kind in pairs)
+        assert masked <= 2 * len(plan.q_runs) + (2 if window else 0)  # only the diagonal and window edges
 
 
 # ---- layouts against one process ------------------------------------------------------------------------

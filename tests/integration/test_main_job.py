@@ -111,3 +111,42 @@ def test_every_main_job_config_parses(name, capsys, monkeypatch):
     out, err = capsys.readouterr()
     assert exited.value.code in (0, None), err[-3000:]
     assert "megascale.lightning.MegaScaleStrategy" in out and "megascale.ft.FaultTolerance" in out
+
+
+def test_the_long_context_config_parses(capsys, monkeypatch):
+    """examples/configs/long_context_cpu.yaml: every key one the CLI knows (it trains in the slow tier below)."""
+    from megascale.lightning.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["megascale"])
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(SystemExit) as exited:
+        main(["fit", "--config", str(CONFIG.with_name("long_context_cpu.yaml")), "--print_config"])
+    out, err = capsys.readouterr()
+    assert exited.value.code in (0, None), err[-3000:]
+    assert "cp: 2" in out
+
+
+# slow tier: 4 ranks at 2048 tokens; CI proves each cp layout against one process in tests/lightning/test_strategy.py
+@pytest.mark.slow
+def test_the_long_context_config_trains_under_context_parallelism(tmp_path):
+    shards = build_stdlib_shards(tmp_path / "stdlib")
+    override = {  # YAML is a superset of JSON
+        "trainer": {
+            "max_steps": 6, "val_check_interval": 6, "enable_progress_bar": False,
+            "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger",
+                       "init_args": {"save_dir": str(tmp_path / "logs"), "name": "long"}},
+        },
+        "data": {"init_args": {
+            "train": {"sources": [{"urls": shards.train}]}, "val": {"sources": [{"urls": shards.val}]},
+        }},
+    }  # fmt: skip
+    (tmp_path / "override.yaml").write_text(json.dumps(override))
+    command = [sys.executable, "-m", "megascale.lightning.cli", "fit", "--config",
+               str(CONFIG.with_name("long_context_cpu.yaml")), "--config", str(tmp_path / "override.yaml")]  # fmt: skip
+    result = subprocess.run(command, env=clean_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    assert "dp=2 × pp=1 × cp=2 × tp=1" in result.stdout + result.stderr
+    losses = _losses(tmp_path / "logs" / "long" / "version_0" / "metrics.csv", "train/loss")
+    assert losses and all(0 < v < 10 for v in losses.values()), losses
+    val = _losses(tmp_path / "logs" / "long" / "version_0" / "metrics.csv", "val/loss")
+    assert list(val) == [5], val

@@ -1,11 +1,12 @@
-"""The memory model against measurement: a small GPT in 13 layouts on real gloo ranks.
+"""The memory model against measurement: a small GPT in 18 layouts on real gloo ranks.
 
 Each layout trains two AdamW steps (``_measure.py``); in the second each rank measures the bytes of its
 parameters, gradients and optimizer state from the tensors, and its saved activations with
 ``SavedTensorMeter`` (``torch.autograd.graph.saved_tensors_hooks``: every tensor autograd saves, per storage,
 at the step's peak, plus what activation checkpointing keeps to recompute from). ``predict_memory`` must give
 each within 10% for that rank's pipeline rank. The layouts cover tp (with and without sequence parallelism),
-pp with each schedule, dp with ZeRO 1, 2 and 3, their products, no / selective / full activation
+pp with each schedule, dp with ZeRO 1, 2 and 3, context parallelism (full and windowed layers, with dp, tp,
+ZeRO-2), their products, no / selective / full activation
 checkpointing, fp32 and bf16-mixed, and both block kinds (MegaScale's parallel SwiGLU block; GPT-3's
 sequential GeLU/LayerNorm block with biases, dropout and the unfused attention reference). The model is exact
 to the tensor on all of them (observed errors below 0.5%: the attention mask cached once, scalars, a
@@ -35,6 +36,9 @@ GPT3_BLOCK = dict(
     kernels={"attention": "torch"},
 )  # fmt: skip
 
+# sliding windows of 8 on every other layer: under cp the windowed layers hold only their halo's keys
+WINDOWS = dict(sliding_window=8, full_attention_every=2)
+
 CASES_2 = {
     "tp2 sp bf16": dict(plan=dict(tp=2), precision="bf16-mixed"),
     "tp2 no-sp selective": dict(plan=dict(tp=2, sequence_parallel=False, activation_checkpointing="selective")),
@@ -47,6 +51,8 @@ CASES_2 = {
     "dp2 zero1 bf16": dict(plan=dict(zero_stage=1), precision="bf16-mixed"),
     "dp2 zero2": dict(plan=dict(zero_stage=2)),
     "dp2 zero3 full-ac bf16": dict(plan=dict(zero_stage=3, activation_checkpointing="full"), precision="bf16-mixed"),
+    "cp2 zero1": dict(plan=dict(cp=2, zero_stage=1)),
+    "cp2 windows selective": dict(plan=dict(cp=2, activation_checkpointing="selective"), config=WINDOWS),
 }  # fmt: skip
 CASES_4 = {
     "tp2 pp2 sp full-ac": dict(plan=dict(tp=2, pp=2, num_microbatches=2, activation_checkpointing="full")),
@@ -56,6 +62,9 @@ CASES_4 = {
     ),
     "tp2 dp2 zero1 sp": dict(plan=dict(tp=2, zero_stage=1)),
     "pp2 dp2 zero2 gpipe": dict(plan=dict(pp=2, zero_stage=2, num_microbatches=2, schedule="gpipe")),
+    "cp4 windows bf16": dict(plan=dict(cp=4), config=WINDOWS, precision="bf16-mixed"),
+    "cp2 dp2 zero2": dict(plan=dict(cp=2, zero_stage=2)),
+    "cp2 tp2 sp": dict(plan=dict(cp=2, tp=2)),
 }  # fmt: skip
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations")
 
@@ -67,7 +76,7 @@ def _cases(cases: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
 def _predicted(case: dict[str, Any], world: int, pp_rank: int) -> Any:
     config = GPTConfig(**case["config"])
     plan = ParallelPlan(**case["plan"])
-    dp = world // (plan.tp * plan.pp)
+    dp = world // (plan.tp * plan.pp * plan.cp)
     attention = "torch" if config.kernels.get("attention") == "torch" else "flash"
     kernels = Kernels(
         norm="torch", attention=attention, activation="torch", cross_entropy="torch", dropout_mask="float"

@@ -141,3 +141,44 @@ def test_help_states_the_default_gpu_and_shows_examples(capsys: pytest.CaptureFi
         main(["--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "default: h100" in text and "examples: megascale plan --model" in text and "--cpu-trial" in text
+
+
+def test_long_sequences_are_searched_with_context_parallelism_and_short_ones_are_not() -> None:
+    from megascale.core.parallel import ParallelPlan
+    from megascale.core.plan import Layout, predict_memory
+    from megascale.core.plan.presets import load_model
+
+    config = load_model("llama3-8b")
+    cluster = ClusterSpec(gpu_spec("h100"), gpus=64, gpus_per_node=8)
+    long = Workload(config, seq_len=131072, global_batch=16)
+    best = search(long, cluster, top=1)[0]
+    assert best.fits and best.layout.plan.cp > 1, best.layout.describe()
+    assert best.layout.plan.tp * best.layout.plan.cp <= 8  # the cp group within a node, next to tp
+    assert best.step.cp_comm > 0 and "cp" in best.layout.describe()
+    # activations fall as 1/cp, but for the keys/values a full layer gathers (s per sequence, not s/cp: for
+    # Llama 3 8B 4 KiB per token beside ~130 KiB of the rest, so 1/cp + ~3% of one process's at cp4)
+    acts = {}
+    for cp in (1, 2, 4):
+        plan = ParallelPlan(cp=cp, zero_stage=1)
+        acts[cp] = predict_memory(long, Layout(plan, dp=64 // cp, micro_batch_size=1)).peak.activations
+    for cp in (2, 4):
+        assert 1 / cp <= acts[cp] / acts[1] <= 1 / cp + 0.04, (cp, acts[cp] / acts[1])
+    short = Workload(config, seq_len=4096, global_batch=64)
+    assert all(c.layout.plan.cp == 1 for c in search(short, cluster))
+
+
+def test_cli_fixes_cp_and_the_emitted_configs_carry_it(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    run, trial = tmp_path / "run.yaml", tmp_path / "trial.yaml"
+    code = main(["--model", "llama3-8b", "--gpus", "16", "--global-batch", "16", "--seq-len", "32768",
+                 "--cp", "4", "--top", "1", "--emit-config", str(run), "--cpu-trial", str(trial)])  # fmt: skip
+    assert code == 0, capsys.readouterr()
+    assert " cp4 " in capsys.readouterr().out
+    assert yaml.safe_load(run.read_text())["trainer"]["strategy"]["init_args"]["cp"] == 4
+    small = yaml.safe_load(trial.read_text())
+    args = small["trainer"]["strategy"]["init_args"]
+    assert args["cp"] == 2 and small["trainer"]["devices"] <= 4
+    assert small["data"]["init_args"]["train"]["seq_len"] % (2 * args["cp"] * args["tp"]) == 0
+    code = main(
+        ["--model", "llama3-8b", "--gpus", "16", "--global-batch", "16", "--seq-len", "32766", "--cp", "4"]
+    )
+    assert code == 2 and "multiple of 8" in capsys.readouterr().err

@@ -31,6 +31,13 @@ softmax), keeping its inputs q, k, v instead, which drops the quadratic terms (t
 ids (int64; with tp also a mask); head: the final norm, its matmul input and the loss's saved tensors (fp32
 log-softmax, the fused kernel's logits and log-sum-exp, or under tp the vocabulary-parallel loss's fp32
 softmax of its columns).
+
+Context parallelism (cp > 1, ``parallel/cp``): N is the rank's tokens, b·s/cp, and s in the log-sum-exp its
+s/cp queries per sequence. The attention core then saves q after rotary (N·H·hd/t·C), the keys/values it
+attends, gathered into one tensor (b·K·2·KV·hd/t·C, K the keys it holds: s for a full layer, s/cp plus the
+sliding window's halo for a windowed one; the rank's own rotated k and v are not kept), the output, the
+log-sum-exp and the rotary tables at its positions (s/cp·hd·4 per layer); no mask (``cp/block_attention.py``
+computes block by block).
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from megascale.core.config import GPTConfig
+from megascale.core.parallel.cp.kv_exchange import choose
 from megascale.core.plan.layout import Layout, Workload
 from megascale.core.plan.shapes import Stage, block_parameters
 
@@ -62,8 +70,24 @@ class ActivationModel:
 
     @property
     def tokens(self) -> int:
-        """N: tokens of one microbatch."""
-        return self.layout.micro_batch_size * self.workload.seq_len
+        """N: tokens of one microbatch on this rank (1/cp of each sequence under context parallelism)."""
+        return self.layout.micro_batch_size * self.local_seq
+
+    @property
+    def local_seq(self) -> int:
+        """Tokens of each sequence this rank holds: s, or s/cp."""
+        return self.workload.seq_len // self.layout.plan.cp
+
+    def keys(self, layer: int) -> int:
+        """Keys per sequence that a query of block ``layer`` may be given on this rank: the whole sequence
+        (cp = 1, or a full layer under cp), or the rank's tokens and the window's halo (the most any cp rank
+        receives)."""
+        cp, s = self.layout.plan.cp, self.workload.seq_len
+        window = self.config.window_for_layer(layer)
+        halo = choose(self.local_seq, cp, window) if cp > 1 else None
+        if halo is None:
+            return s
+        return self.local_seq + max(halo.received(r) for r in range(cp))
 
     @property
     def stream_tokens(self) -> float:
@@ -79,7 +103,7 @@ class ActivationModel:
     @property
     def residual_bytes(self) -> int:
         """R: bytes per element of the residual stream."""
-        return self.workload.residual_bytes(self.layout.plan.zero_stage if self.layout.dp > 1 else 0)
+        return self.workload.residual_bytes(self.layout.plan.zero_stage if self.layout.replicas > 1 else 0)
 
     def _mask(self, elements: float, dtype_bytes: int) -> float:
         return elements * (1 if self.workload.kernels.dropout_mask == "bool" else dtype_bytes)
@@ -96,15 +120,22 @@ class ActivationModel:
             out[f"{name}.normalised"] = rows * width * 4
         return out
 
-    def _attention_core(self, prefix: str) -> Terms:
+    def _attention_core(self, prefix: str, layer: int = 0) -> Terms:
         """The attention core (q/k norms, rotary, softmax attention) on this rank's heads."""
         cfg, p, c = self.config, self.layout.plan, self.compute_bytes
-        n, t, b, s = self.tokens, p.tp, self.layout.micro_batch_size, self.workload.seq_len
+        n, t, b, s = self.tokens, p.tp, self.layout.micro_batch_size, self.local_seq
         heads, kv, hd = cfg.n_heads / t, cfg.kv_heads / t, cfg.head_dim
         out: Terms = {}
         if cfg.qk_norm:
             out.update(self._norm(n * heads, hd, c, f"{prefix}.q_norm"))
             out.update(self._norm(n * kv, hd, c, f"{prefix}.k_norm"))
+        if p.cp > 1:  # SDPA over the keys brought in (see the module docstring)
+            out[f"{prefix}.q"] = n * heads * hd * c
+            out[f"{prefix}.kv_held"] = b * self.keys(layer) * 2 * kv * hd * c
+            out[f"{prefix}.out"] = n * heads * hd * c
+            out[f"{prefix}.lse"] = b * heads * s * 4
+            out[f"{prefix}.rope_tables"] = s * hd * 4
+            return out
         if self.workload.kernels.attention == "flash":
             out[f"{prefix}.qkv"] = n * (heads + 2 * kv) * hd * c
             out[f"{prefix}.out"] = n * heads * hd * c  # also what the output projection saves: one storage
@@ -125,10 +156,10 @@ class ActivationModel:
             out[f"{prefix}.out"] = n * heads * hd * c
         return out
 
-    def _attention(self, prefix: str) -> Terms:
+    def _attention(self, prefix: str, layer: int = 0) -> Terms:
         """The attention core as saved under this layout's checkpointing."""
         if self.layout.plan.activation_checkpointing != "selective":
-            return self._attention_core(prefix)
+            return self._attention_core(prefix, layer)
         cfg, t = self.config, self.layout.plan.tp
         heads, kv = cfg.n_heads / t, cfg.kv_heads / t
         # the core's inputs q, k, v (before rotary) are kept to recompute from; its output is saved by the
@@ -169,15 +200,17 @@ class ActivationModel:
 
     # ---- layers ----------------------------------------------------------------------------------------
 
-    def block_without_checkpointing(self) -> Terms:
+    def block_without_checkpointing(self, layer: int = 0) -> Terms:
         """One block's saved bytes per microbatch if nothing were recomputed (what the attention core saves
         under "selective" is replaced by its inputs there, but not here)."""
-        return self._block(checkpoint_attention=False)
+        return self._block(checkpoint_attention=False, layer=layer)
 
-    def _block(self, checkpoint_attention: bool) -> Terms:
+    def _block(self, checkpoint_attention: bool, layer: int = 0) -> Terms:
         cfg, r = self.config, self.residual_bytes
         nr, d = self.stream_tokens, cfg.d_model
-        attention = self._attention("attn") if checkpoint_attention else self._attention_core("attn")
+        attention = (
+            self._attention("attn", layer) if checkpoint_attention else self._attention_core("attn", layer)
+        )
         out: Terms = {}
         mlp_in = 2 if cfg.activation == "swiglu" else 1
         if cfg.parallel_block:
@@ -197,12 +230,13 @@ class ActivationModel:
         out.update(self._dropout("mlp"))
         return out
 
-    def block(self) -> Terms:
-        """One block's saved bytes per microbatch under the layout's activation checkpointing (the block
-        input under "full": the rest is recomputed in backward)."""
+    def block(self, layer: int = 0) -> Terms:
+        """Block ``layer``'s saved bytes per microbatch under the layout's activation checkpointing (the
+        block input under "full": the rest is recomputed in backward). Blocks differ only under context
+        parallelism (a windowed layer holds fewer keys)."""
         if self.layout.plan.activation_checkpointing == "full":
             return {"block_input": self.stream_tokens * self.config.d_model * self.residual_bytes}
-        return self._block(checkpoint_attention=True)
+        return self._block(checkpoint_attention=True, layer=layer)
 
     def embedding(self) -> Terms:
         """The embedding's saved bytes per microbatch: token ids (int64), with tp a mask, and dropout."""
@@ -235,7 +269,7 @@ class ActivationModel:
         none under tensor parallelism (its matmuls cast inside, keeping nothing), in fp32, or under ZeRO-2/3
         (parameters are gathered in the compute dtype)."""
         plan, c = self.layout.plan, self.compute_bytes
-        if plan.tp > 1 or c == 4 or (plan.zero_stage >= 2 and self.layout.dp > 1):
+        if plan.tp > 1 or c == 4 or (plan.zero_stage >= 2 and self.layout.replicas > 1):
             return 0.0
         cfg = self.config
         norms = (
@@ -265,15 +299,23 @@ class ActivationModel:
     def stage(self, stage: Stage) -> float:
         """Saved bytes of one microbatch through ``stage``."""
         block, embedding, head = self._sums
-        return len(stage.blocks) * block + stage.first * embedding + stage.last * head
+        if self.layout.plan.cp > 1:  # blocks differ by their keys
+            blocks = sum(sum(self.block(layer).values()) for layer in stage.blocks)
+        else:
+            blocks = len(stage.blocks) * block
+        return blocks + stage.first * embedding + stage.last * head
 
     def stage_terms(self, stage: Stage) -> Terms:
         """``stage``'s saved bytes per microbatch by term (block terms summed over its blocks)."""
         out: Terms = {}
         if stage.first:
             out.update(self.embedding())
-        for k, v in self.block().items():
-            out[f"blocks.{k}"] = v * len(stage.blocks)
+        if self.layout.plan.cp == 1:
+            for k, v in self.block().items():
+                out[f"blocks.{k}"] = v * len(stage.blocks)
+        for layer in stage.blocks if self.layout.plan.cp > 1 else ():
+            for k, v in self.block(layer).items():
+                out[f"blocks.{k}"] = out.get(f"blocks.{k}", 0.0) + v
         if stage.last:
             out.update(self.head())
         return out

@@ -65,6 +65,9 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("--tp", type=int)
     f.add_argument("--pp", type=int)
     f.add_argument("--dp", type=int)
+    f.add_argument(
+        "--cp", type=int, help="context-parallel size (searched only for sequences of 16k tokens or more)"
+    )
     f.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3])
     f.add_argument("--micro-batch-size", type=int)
     f.add_argument("--num-microbatches", type=int, help="per optimizer step (pipeline or accumulation)")
@@ -114,7 +117,7 @@ def _row(i: int, c: Candidate) -> str:
 def _why(c: Candidate) -> str:
     s = c.step
     parts = {"compute": s.compute - s.recompute, "recompute": s.recompute, "bubble": s.bubble, "tp comm": s.tp_comm,
-             "pp comm": s.pp_comm, "dp comm": s.dp_comm, "optimizer": s.optimizer}  # fmt: skip
+             "cp comm": s.cp_comm, "pp comm": s.pp_comm, "dp comm": s.dp_comm, "optimizer": s.optimizer}  # fmt: skip
     share = ", ".join(f"{k} {v / s.step_time:.0%}" for k, v in parts.items() if v / s.step_time >= 0.005)
     mem = c.memory.peak
     return (f"      step: {share}; memory (pipeline rank {mem.pp_rank}): states {mem.states / _GB:.1f} GB, "
@@ -163,7 +166,7 @@ def _plan(ns: argparse.Namespace) -> int:
         cluster = ClusterSpec(gpu, gpus=ns.gpus, gpus_per_node=ns.gpus_per_node, network_bandwidth=network)
         workload = Workload(config, seq_len=seq_len, global_batch=ns.global_batch, precision=ns.precision,
                             optimizer=ns.optimizer)  # fmt: skip
-    fixed = Fixed(tp=ns.tp, pp=ns.pp, dp=ns.dp, zero_stage=ns.zero_stage, micro_batch_size=ns.micro_batch_size,
+    fixed = Fixed(tp=ns.tp, pp=ns.pp, dp=ns.dp, cp=ns.cp, zero_stage=ns.zero_stage, micro_batch_size=ns.micro_batch_size,
                   num_microbatches=ns.num_microbatches, schedule=ns.schedule, virtual_stages=ns.virtual_stages,
                   sequence_parallel=ns.sequence_parallel, activation_checkpointing=ns.activation_checkpointing)  # fmt: skip
     ranked = search(workload, cluster, fixed, top=ns.top)  # a ValueError names what cannot be laid out

@@ -93,6 +93,8 @@ def lightning_config(candidate: Candidate, config: GPTConfig, seq_len: int, clus
     (module docstring); ``parameters`` (the model's count) chooses the learning rate."""
     layout, plan = candidate.layout, candidate.layout.plan
     init_args: dict[str, Any] = {"tp": plan.tp, "pp": plan.pp, "zero_stage": plan.zero_stage}
+    if plan.cp > 1:
+        init_args["cp"] = plan.cp
     if plan.pp > 1:
         init_args.update(num_microbatches=plan.microbatches, schedule=plan.schedule)
         if plan.virtual_stages > 1:
@@ -138,8 +140,11 @@ def cpu_trial(
     """``emitted`` (a ``lightning_config``) shrunk to run on this machine's CPU in a minute (module
     docstring): same strategy at tp, pp <= 2 and at most 4 processes, a small model of the same kind."""
     plan = candidate.layout.plan
-    tp, pp = min(plan.tp, 2), min(plan.pp, 2)
-    dp = max(1, min(candidate.layout.dp, 4 // (tp * pp)))
+    cp = min(plan.cp, 2)  # context parallelism tried at cp2, within the 4 processes
+    tp, pp = min(plan.tp, 2), min(plan.pp, 2 if cp == 1 else 1)
+    if cp > 1 and tp * cp > 4:
+        tp = 1
+    dp = max(1, min(candidate.layout.dp, 4 // (tp * pp * cp)))
     virtual = plan.virtual_stages if pp > 1 and plan.schedule == "interleaved" else 1
     out = copy.deepcopy(emitted)
     train = out["data"]["init_args"]["train"]
@@ -150,6 +155,8 @@ def cpu_trial(
     out["model"].update(lr=1e-3, warmup_steps=2)
     strategy = out["trainer"]["strategy"]["init_args"]
     strategy.update(tp=tp, pp=pp)
+    if cp > 1:
+        strategy["cp"] = cp
     if pp > 1:
         strategy["num_microbatches"] = 2 * pp
         if plan.schedule == "interleaved" and pp < plan.pp:
@@ -161,7 +168,7 @@ def cpu_trial(
         strategy.pop("sequence_parallel", None)
     if strategy.get("zero_stage") == 3 and pp > 1:
         strategy["zero_stage"] = 2
-    out["trainer"].update(accelerator="cpu", devices=tp * pp * dp, num_nodes=1, precision="32-true",
+    out["trainer"].update(accelerator="cpu", devices=tp * pp * cp * dp, num_nodes=1, precision="32-true",
                           max_steps=steps, val_check_interval=steps, limit_val_batches=2, log_every_n_steps=1,
                           num_sanity_val_steps=0)  # fmt: skip
     out["trainer"]["callbacks"][0]["init_args"].update(

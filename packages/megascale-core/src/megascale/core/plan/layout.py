@@ -135,8 +135,9 @@ class Layout:
     Args:
         plan: tp, pp, ZeRO stage, schedule, virtual stages, checkpointing, sequence parallelism, overlap.
             Its ``num_microbatches`` is the pipeline's microbatches per step (pp > 1).
-        dp: data-parallel size.
-        micro_batch_size: sequences per microbatch on one rank.
+        dp: data-parallel size (the plan's cp ranks of a replica share its sequences: ``replicas`` = dp × cp
+            ranks hold the same parameters).
+        micro_batch_size: sequences per microbatch on one data-parallel rank (a cp rank holds 1/cp of each).
         accumulation: gradient-accumulation steps per optimizer step (Lightning's ``accumulate_grad_batches``):
             with pp = 1 the microbatches of a step; with pp > 1 whole pipeline steps.
     """
@@ -160,8 +161,17 @@ class Layout:
         return self.plan.pp
 
     @property
+    def cp(self) -> int:
+        return self.plan.cp
+
+    @property
+    def replicas(self) -> int:
+        """Ranks holding the same parameters, over which gradients are averaged and ZeRO shards: dp × cp."""
+        return self.dp * self.plan.cp
+
+    @property
     def gpus(self) -> int:
-        return self.plan.tp * self.plan.pp * self.dp
+        return self.plan.tp * self.plan.pp * self.plan.cp * self.dp
 
     @property
     def microbatches(self) -> int:
@@ -184,6 +194,7 @@ class Layout:
             f"tp{p.tp}",
             f"pp{p.pp}",
             f"dp{self.dp}",
+            *([f"cp{p.cp}"] if p.cp > 1 else []),
             f"zero{p.zero_stage}",
             f"mbs{self.micro_batch_size}",
         ]

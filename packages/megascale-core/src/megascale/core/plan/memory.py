@@ -1,8 +1,8 @@
 """Memory per rank of a layout: training state by ZeRO stage, saved activations by schedule, buffers.
 
 Per pipeline rank (tensor- and data-parallel ranks of one pipeline rank hold the same amounts), with P this
-rank's parameters (``shapes``: its stages, split over tp), dp the data-parallel size and k the optimizer's
-states per parameter:
+rank's parameters (``shapes``: its stages, split over tp), dp the data-parallel size (times cp: context-parallel
+ranks hold the same parameters and ZeRO shards over dp × cp) and k the optimizer's states per parameter:
 
     ZeRO stage          parameters      gradients      optimizer state    (fp32 each: megascale keeps fp32
     0                   4·P             4·P            4·k·P               master weights and gradients under
@@ -134,7 +134,8 @@ def rank_memory(
     activations: ActivationModel | None = None,
 ) -> RankMemory:
     """Memory of one rank of pipeline rank ``pp_rank`` (``terms``: with the activations' breakdown)."""
-    cfg, plan, dp = workload.model, layout.plan, layout.dp
+    # ZeRO shards over the ranks holding the same parameters: dp × cp (``Layout.replicas``)
+    cfg, plan, dp = workload.model, layout.plan, layout.replicas
     stages = stages_of_rank(cfg, plan.pp, plan.virtual_stages, pp_rank, plan.pipeline_split)
     p = sum(s.parameters(cfg, plan.tp) for s in stages)
     zero = plan.zero_stage if dp > 1 else 0
@@ -165,8 +166,8 @@ def rank_memory(
     if zero in (0, 1):
         # the reducer's flat buffers alive at once (IN_FLIGHT launched and the one being filled, fp32) and,
         # reduce-scattered (ZeRO-1 "elements", dp > 1), each one's output piece (1/dp of it)
-        scattered = zero == 1 and plan.zero1_sharding == "elements" and layout.dp > 1
-        comm = min((IN_FLIGHT + 1) * bucket, 4.0 * p) * (1.0 + (1.0 / layout.dp if scattered else 0.0))
+        scattered = zero == 1 and plan.zero1_sharding == "elements" and dp > 1
+        comm = min((IN_FLIGHT + 1) * bucket, 4.0 * p) * (1.0 + (1.0 / dp if scattered else 0.0))
     else:  # a unit's unsharded gradient before its reduce-scatter
         comm = 4.0 * _largest_unit(workload, layout, stages)
     step = 4.0 * (p if zero == 0 else sharded)  # the optimizer's elementwise temporaries (foreach)

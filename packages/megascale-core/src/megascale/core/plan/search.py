@@ -1,7 +1,9 @@
 """Layout search: every feasible layout of a workload on a cluster, predicted and ranked.
 
-The space: tp among the divisors of a node's GPU count that split the model; pp among the divisors of what
-remains (at most one block per stage); dp the rest, dividing the global batch; the micro-batch size among the
+The space: tp among the divisors of a node's GPU count that split the model; cp 1, and for sequences of at
+least ``LONG_SEQUENCE`` tokens the powers of two with tp·cp within a node that split the sequence into 2·cp
+chunks (context parallelism exchanges keys/values in every layer, so it stays on NVLink like tp); pp among the
+divisors of what remains (at most one block per stage); dp the rest, dividing the global batch; the micro-batch size among the
 divisors of each replica's share; pipeline schedules 1F1B and interleaved (2 to 8 stages per rank that split the
 blocks evenly), GPipe only when asked for; ZeRO 0-3 (0 with dp = 1; 3 not with pp > 1); sequence
 parallelism on or off with tp > 1; activation checkpointing none, selective or full. The overlap switches
@@ -22,7 +24,10 @@ from megascale.core.plan.layout import Layout, Workload
 from megascale.core.plan.memory import MemoryEstimate, predict_memory
 from megascale.core.plan.throughput import StepEstimate, predict_step
 
-__all__ = ["Candidate", "Fixed", "enumerate_layouts", "search"]
+__all__ = ["LONG_SEQUENCE", "Candidate", "Fixed", "enumerate_layouts", "search"]
+
+LONG_SEQUENCE = 16384
+"""Sequences at least this long are also tried with context parallelism (shorter ones: only when fixed)."""
 
 
 @dataclass(frozen=True)
@@ -32,6 +37,7 @@ class Fixed:
     tp: int | None = None
     pp: int | None = None
     dp: int | None = None
+    cp: int | None = None
     zero_stage: int | None = None
     micro_batch_size: int | None = None
     num_microbatches: int | None = None
@@ -57,7 +63,7 @@ class Candidate:
         p = self.layout.plan
         return {
             "layout": {
-                "tp": p.tp, "pp": p.pp, "dp": self.layout.dp, "zero_stage": p.zero_stage,
+                "tp": p.tp, "pp": p.pp, "dp": self.layout.dp, "cp": p.cp, "zero_stage": p.zero_stage,
                 "micro_batch_size": self.layout.micro_batch_size, "num_microbatches": self.layout.microbatches,
                 "accumulation": self.layout.accumulation, "schedule": p.schedule,
                 "virtual_stages": p.virtual_stages, "sequence_parallel": p.sequence_parallel,
@@ -84,26 +90,40 @@ def _groups(workload: Workload, cluster: ClusterSpec, fixed: Fixed | None) -> It
             if fx.tp:
                 raise
             continue
-        pps = [fx.pp] if fx.pp else [p for p in _divisors(gpus // tp) if p <= cfg.n_layers]
-        for pp in pps:
-            if gpus % (tp * pp):
-                continue
-            dp = gpus // (tp * pp)
-            if (fx.dp and dp != fx.dp) or batch % dp:
-                continue
-            per_replica = batch // dp
-            mbss = (
-                [fx.micro_batch_size]
-                if fx.micro_batch_size
-                else [b for b in _divisors(per_replica) if b <= 16]
-            )
-            for mbs in mbss:
-                if per_replica % mbs:
+        for cp in _context_parallel_sizes(workload, cluster, fx, tp):
+            pps = [fx.pp] if fx.pp else [p for p in _divisors(gpus // (tp * cp)) if p <= cfg.n_layers]
+            for pp in pps:
+                if gpus % (tp * pp * cp):
                     continue
-                m = per_replica // mbs
-                if fx.num_microbatches and fx.num_microbatches != m:
+                dp = gpus // (tp * pp * cp)
+                if (fx.dp and dp != fx.dp) or batch % dp:
                     continue
-                yield from _plans(workload, fx, tp, pp, dp, mbs, m)
+                per_replica = batch // dp
+                mbss = (
+                    [fx.micro_batch_size]
+                    if fx.micro_batch_size
+                    else [b for b in _divisors(per_replica) if b <= 16]
+                )
+                for mbs in mbss:
+                    if per_replica % mbs:
+                        continue
+                    m = per_replica // mbs
+                    if fx.num_microbatches and fx.num_microbatches != m:
+                        continue
+                    yield from _plans(workload, fx, tp, pp, dp, mbs, m, cp)
+
+
+def _context_parallel_sizes(workload: Workload, cluster: ClusterSpec, fx: Fixed, tp: int) -> list[int]:
+    """cp sizes to try with ``tp``: the fixed one, else 1 and, for long sequences, the powers of two that keep
+    tp·cp within a node and split the sequence into 2·cp chunks (whole tp shards under SP)."""
+    if fx.cp:  # the sequence must split into 2·cp chunks (times tp under SP: checked per plan)
+        return [fx.cp] if workload.seq_len % (2 * fx.cp) == 0 else []
+    sizes, cp = [1], 2
+    while workload.seq_len >= LONG_SEQUENCE and tp * cp <= cluster.gpus_per_node:
+        if cluster.gpus % (tp * cp) == 0 and workload.seq_len % (2 * cp * tp) == 0:
+            sizes.append(cp)
+        cp *= 2
+    return sizes
 
 
 def enumerate_layouts(
@@ -115,7 +135,7 @@ def enumerate_layouts(
 
 
 def _plans(
-    workload: Workload, fx: Fixed, tp: int, pp: int, dp: int, mbs: int, m: int
+    workload: Workload, fx: Fixed, tp: int, pp: int, dp: int, mbs: int, m: int, cp: int = 1
 ) -> Iterator[list[Layout]]:
     """Groups of layouts differing only in activation checkpointing, least recomputation first."""
     cfg = workload.model
@@ -133,7 +153,7 @@ def _plans(
     zeros = (
         [fx.zero_stage]
         if fx.zero_stage is not None
-        else ([0, 1, 2] + ([3] if pp == 1 else []) if dp > 1 else [1])
+        else ([0, 1, 2] + ([3] if pp == 1 else []) if dp * cp > 1 else [1])
     )
     sps = (
         [fx.sequence_parallel] if fx.sequence_parallel is not None else ([True, False] if tp > 1 else [True])
@@ -144,11 +164,13 @@ def _plans(
             if zero == 3 and pp > 1:
                 continue
             for sp in sps:
+                if cp > 1 and sp and tp > 1 and workload.seq_len % (2 * cp * tp):
+                    continue  # this rank's chunks would not split over tp
                 group = []
                 for ac in acs:
                     try:
                         plan = ParallelPlan(
-                            tp=tp, pp=pp, zero_stage=zero, schedule=schedule,  # type: ignore[arg-type]
+                            tp=tp, pp=pp, cp=cp, zero_stage=zero, schedule=schedule,  # type: ignore[arg-type]
                             virtual_stages=v, num_microbatches=m if pp > 1 else None, sequence_parallel=sp,
                             activation_checkpointing=ac,  # type: ignore[arg-type]
                         )  # fmt: skip
@@ -164,12 +186,20 @@ def _why_none(workload: Workload, cluster: ClusterSpec, fx: Fixed) -> str:
     """Why no layout is possible, naming the first cause found: the fixed parts against the GPU count, the
     layers, the global batch; else the general statement."""
     gpus, batch, layers = cluster.gpus, workload.global_batch, workload.model.n_layers
-    if fx.tp and fx.pp and fx.dp and fx.tp * fx.pp * fx.dp != gpus:
-        return (f"tp × pp × dp = {fx.tp} × {fx.pp} × {fx.dp} = {fx.tp * fx.pp * fx.dp} GPUs, but --gpus is {gpus}: "
-                "a layout uses every GPU; change --gpus or one of --tp/--pp/--dp")  # fmt: skip
-    fixed_product = (fx.tp or 1) * (fx.pp or 1) * (fx.dp or 1)
+    cp = fx.cp or 1
+    if fx.tp and fx.pp and fx.dp and fx.tp * fx.pp * fx.dp * cp != gpus:
+        product = fx.tp * fx.pp * fx.dp * cp
+        with_cp = f" × cp={cp}" if cp > 1 else ""
+        return (f"tp × pp × dp = {fx.tp} × {fx.pp} × {fx.dp}{with_cp} = {product} GPUs, but --gpus is {gpus}: "
+                "a layout uses every GPU; change --gpus or one of --tp/--pp/--dp" + ("/--cp" if cp > 1 else ""))  # fmt: skip
+    if fx.cp and workload.seq_len % (2 * fx.cp * (fx.tp or 1)):
+        return (f"--cp {fx.cp} cuts each sequence into {2 * fx.cp} equal chunks (× tp under sequence parallelism), "
+                f"but --seq-len is {workload.seq_len}: use a multiple of {2 * fx.cp * (fx.tp or 1)}")  # fmt: skip
+    fixed_product = (fx.tp or 1) * (fx.pp or 1) * (fx.dp or 1) * cp
     if gpus % fixed_product:
-        named = " × ".join(f"{k}={v}" for k, v in (("tp", fx.tp), ("pp", fx.pp), ("dp", fx.dp)) if v)
+        named = " × ".join(
+            f"{k}={v}" for k, v in (("tp", fx.tp), ("pp", fx.pp), ("dp", fx.dp), ("cp", fx.cp)) if v
+        )
         return f"{named} = {fixed_product} does not divide the {gpus} GPUs: a layout uses every GPU"
     if fx.pp and fx.pp > layers:
         return f"pp={fx.pp} is more pipeline stages than the model's {layers} layers"

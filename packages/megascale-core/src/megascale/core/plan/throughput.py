@@ -18,6 +18,12 @@ Per microbatch and block on one GPU (N = b·s tokens, t = tp; Narayanan et al. 2
   forward and 1 + 2c backward, no SP c all-reduces forward and one backward; the replicated norm weights (and
   row-parallel biases) under SP and q/k norms always all-reduce their gradients; the embedding one or two
   calls, the head its column-parallel projection's and the vocab-parallel loss's two all-reduces.
+- Context parallelism (cp > 1): N is the rank's b·s/cp tokens, whose queries see as many keys on average as
+  one process's (the chunks are balanced), so every FLOP and byte above divides by cp. Per block the keys and
+  values are brought in before attention, not overlapped (``parallel/cp``): a full layer all-gathers
+  b·s·2·KV·hd/t elements over the cp group forward and reduce-scatters their gradients backward; a windowed
+  layer sends and receives the halo's tails point to point (at most 2·(w − 1) tokens, both ways). The
+  gradients are reduced, and ZeRO shards, over dp × cp ranks.
 - Pipeline: a step takes (M + (P-1)/V)·t_mb, t_mb being the slowest pipeline rank's time per microbatch (the
   last stage also computes the logits): the bubble (P-1)/(V·M) of Narayanan et al. 2021 §2.2, taken on the
   mean rank. Activations between stages go tp-scattered over the network (their §4.1); megascale's decoupled
@@ -67,6 +73,7 @@ class StepEstimate:
     model_flops: float  # per step, over all GPUs (no recomputation)
     gpus: int
     peak_flops: float  # per GPU
+    cp_comm: float = 0.0  # the key/value exchange of context parallelism
 
     @property
     def tokens_per_s(self) -> float:
@@ -84,7 +91,7 @@ class StepEstimate:
     def limiter(self) -> str:
         """The largest cost beside the model's own compute (what to attack next), or "compute" when none
         reaches 2% of the step."""
-        parts = {"bubble": self.bubble, "tp_comm": self.tp_comm, "pp_comm": self.pp_comm,
+        parts = {"bubble": self.bubble, "tp_comm": self.tp_comm, "cp_comm": self.cp_comm, "pp_comm": self.pp_comm,
                  "dp_comm": self.dp_comm, "recompute": self.recompute, "optimizer": self.optimizer}  # fmt: skip
         worst = max(parts, key=lambda k: parts[k])
         return worst if parts[worst] >= 0.02 * self.step_time else "compute"
@@ -178,10 +185,10 @@ class _Model:
         self.cfg, self.plan = cfg, plan
         self.t = plan.tp
         self.b, self.s = layout.micro_batch_size, workload.seq_len
-        self.n = self.b * self.s
+        self.n = self.b * self.s / plan.cp  # this rank's tokens
         self.nr = self.n / self.t if self.t > 1 and plan.sequence_parallel else float(self.n)
         self.cb = workload.compute_bytes
-        self.rb = workload.residual_bytes(plan.zero_stage if layout.dp > 1 else 0)
+        self.rb = workload.residual_bytes(plan.zero_stage if layout.replicas > 1 else 0)
         g = cluster.gpu
         self.flop_rate = g.peak_flops * g.matmul_efficiency
         self.byte_rate = g.memory_bandwidth * g.memory_efficiency
@@ -206,7 +213,7 @@ class _Model:
         else:
             act = n * f * c * (2 if k.activation == "fused" else 4)
         rope = 2 * n * (heads + kv) * hd * c * (1 if k.norm == "fused" else 4)
-        scores = self.b * heads * self.s * self.s
+        scores = self.b * heads * self.s * self.s / self.plan.cp
         if k.attention == "unfused":  # fused scale-mask-softmax, then dropout
             softmax = scores * (2 * c + (2 * c + 1 if cfg.dropout > 0 else 0))
         elif k.attention == "torch":  # fp32 scores through masked_fill, softmax (and dropout)
@@ -247,8 +254,26 @@ class _Model:
             for name, c in tp_collective_calls(self.cfg, self.plan).items()
         }
 
-    def stage_time(self, stage: Stage) -> tuple[float, float, float, float]:
-        """(forward, backward, recomputation, exposed TP communication) seconds of one microbatch."""
+    def cp_time(self, layer: int) -> float:
+        """Seconds of block ``layer``'s key/value exchange of one microbatch, forward and backward (0 at cp 1)."""
+        cp = self.plan.cp
+        if cp == 1:
+            return 0.0
+        from megascale.core.parallel.cp.kv_exchange import choose
+
+        per_token = 2 * self.cfg.kv_heads / self.t * self.cfg.head_dim * self.cb
+        local = self.s // cp
+        halo = choose(local, cp, self.cfg.window_for_layer(layer))
+        if halo is None:  # all-gather forward, reduce-scatter backward, over the cp ranks (next to tp)
+            group = Group.of(cp, self.t, self.c.gpus_per_node)
+            return 2 * gather_time(self.b * self.s * per_token, group, self.c)
+        tokens = max(halo.received(r) for r in range(cp))
+        across = self.t * cp > self.c.gpus_per_node
+        return 2 * p2p_time(self.b * tokens * per_token, across, self.c)
+
+    def stage_time(self, stage: Stage) -> tuple[float, float, float, float, float]:
+        """(forward, backward, recomputation, exposed TP communication, CP communication) seconds of one
+        microbatch."""
         ac = self.plan.activation_checkpointing
         fwd = bwd = rec = 0.0
         tp_group = Group.of(self.t, 1, self.c.gpus_per_node)
@@ -257,8 +282,9 @@ class _Model:
         units_f, units_b = self.tp_units_per_block()
         calls = self.tp_latency()
         lat_f, lat_b = calls.get("block", (0.0, 0.0))
-        tp_total = 0.0
+        tp_total = cp_total = 0.0
         for layer in stage.blocks:
+            cp_total += self.cp_time(layer) * (1.5 if ac == "full" or ac == "selective" else 1.0)
             window = self.cfg.window_for_layer(layer)  # blocks differ only by their attention window
             if window not in self._blocks:
                 self._blocks[window] = self.block(layer)
@@ -283,7 +309,7 @@ class _Model:
                 tp_total += 2 * unit_time + sum(calls.get(name, (0.0, 0.0)))
         hidden = self.plan.overlap_tp_comm and self.c.gpu.overlap
         exposed_tp = tp_total / self.plan.tp_comm_chunks if hidden else tp_total
-        return fwd, bwd, rec, exposed_tp
+        return fwd, bwd, rec, exposed_tp, cp_total
 
     def p2p_time(self) -> float:
         """Seconds of one activation (or gradient) crossing a stage boundary: each of the tp ranks sends its
@@ -301,7 +327,7 @@ def predict_step(workload: Workload, layout: Layout, cluster: ClusterSpec) -> St
     model = _Model(workload, layout, cluster)
     m, p, v = layout.microbatches, plan.pp, plan.virtual_stages if plan.pp > 1 else 1
     per_rank = []
-    cache: dict[object, tuple[float, float, float, float, int]] = {}
+    cache: dict[object, tuple[float, float, float, float, float, int]] = {}
     windows = cfg.sliding_window is not None
     for r in range(p):
         stages = stages_of_rank(cfg, p, plan.virtual_stages, r, plan.pipeline_split)
@@ -309,12 +335,12 @@ def predict_step(workload: Workload, layout: Layout, cluster: ClusterSpec) -> St
         key = tuple((s.blocks if windows else len(s.blocks), s.first, s.last) for s in stages)
         if key not in cache:
             times = [model.stage_time(s) for s in stages]
-            fwd, bwd, rec, tp = (sum(t[i] for t in times) for i in range(4))
-            cache[key] = (fwd, bwd, rec, tp, sum(s.parameters(cfg, plan.tp) for s in stages))
+            fwd, bwd, rec, tp, cpc = (sum(t[i] for t in times) for i in range(5))
+            cache[key] = (fwd, bwd, rec, tp, cpc, sum(s.parameters(cfg, plan.tp) for s in stages))
         per_rank.append(cache[key])
-    t_mb = [f + b + rc + tp for f, b, rc, tp, _ in per_rank]
+    t_mb = [f + b + rc + tp + cpc for f, b, rc, tp, cpc, _ in per_rank]
     slowest = max(range(p), key=lambda r: t_mb[r])
-    fwd, bwd, rec, tp, params = per_rank[slowest]
+    fwd, bwd, rec, tp, cpc, params = per_rank[slowest]
     bubble = bubble_fraction(plan.schedule, p, m, v) * m * sum(t_mb) / p  # the mean rank's idle time
 
     pp_comm = 0.0
@@ -327,16 +353,16 @@ def predict_step(workload: Workload, layout: Layout, cluster: ClusterSpec) -> St
     calls = _dp_calls(workload, layout, slowest_stages)
     dp_comm = _data_parallel(workload, layout, cluster, params, fwd, bwd, calls)
     k = OPTIMIZER_STATES[workload.optimizer]
-    stepped = params / layout.dp if (plan.zero_stage >= 1 and layout.dp > 1) else params
+    stepped = params / layout.replicas if (plan.zero_stage >= 1 and layout.replicas > 1) else params
     hbm = cluster.gpu.memory_bandwidth * cluster.gpu.memory_efficiency
     optimizer = stepped * (4 * (3 + 2 * k) + 4) / hbm  # read p, g, states; write p, states; the clip's read
     compute = m * (fwd + bwd + rec)
-    step = compute + m * tp + bubble + pp_comm + dp_comm + optimizer
+    step = compute + m * tp + m * cpc + bubble + pp_comm + dp_comm + optimizer
     tokens = layout.global_batch * workload.seq_len
     return StepEstimate(
         step_time=step, compute=compute, recompute=m * rec, bubble=bubble, tp_comm=m * tp, pp_comm=pp_comm,
         dp_comm=dp_comm, optimizer=optimizer, tokens=tokens, model_flops=flops_per_token(cfg, workload.seq_len) * tokens,
-        gpus=layout.gpus, peak_flops=cluster.gpu.peak_flops,
+        gpus=layout.gpus, peak_flops=cluster.gpu.peak_flops, cp_comm=m * cpc,
     )  # fmt: skip
 
 
@@ -384,10 +410,13 @@ def _data_parallel(
 ) -> float:
     """Exposed seconds of the data-parallel (ZeRO) communication of one step on the slowest pipeline rank,
     ``buckets`` calls per reduction or gather (the latency is paid per call)."""
-    plan, dp = layout.plan, layout.dp
+    plan, dp = layout.plan, layout.replicas
     if dp == 1:
         return 0.0
     group = Group.of(dp, plan.tp * plan.pp, cluster.gpus_per_node)
+    if plan.cp > 1:  # dp × cp: the cp ranks of a pipeline rank side by side (tp apart), replicas far apart
+        per_node = max(1, min(plan.cp, cluster.gpus_per_node // plan.tp))
+        group = Group(per_node, -(-dp // per_node))
     grads = params * workload.runtime.reduce_bytes
     zero = plan.zero_stage
     if zero == 0 or (zero == 1 and plan.zero1_sharding == "parameters"):

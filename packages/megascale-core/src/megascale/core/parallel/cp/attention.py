@@ -4,11 +4,13 @@ A rank holds two chunks of each sequence (``sharding.py``). Its queries and keys
 positions in the whole sequence, the keys/values it lacks are brought in (``kv_exchange.py``: all of them
 for full causal attention, only the window's tails for a sliding window), and the causal/window mask is built
 from positions rather than from indices: query at position t sees keys at s with t − window < s ≤ t, the
-same rule as ``kernels.attention``. Softmax over every key a query sees happens on one rank, so no online
-softmax merging is needed.
+same rule as ``kernels.attention``. Every key a query sees is on its rank, so the softmax needs no merging
+across ranks.
 
-Attention runs as torch's ``scaled_dot_product_attention`` with a boolean (local queries × keys) mask (the
-reference; on a GPU a FlexAttention block mask over the same positions is the fast path to add).
+Attention runs block by block over the runs of consecutive positions (``block_attention.py``), skipping the
+blocks no query sees and masking only the blocks the diagonal or the window's edge cuts, so nothing quadratic
+in the sequence is kept (a dense mask over the rank's queries and all keys would be s²/cp bytes). On a GPU a
+FlexAttention block mask over the same positions is the fast path to add.
 """
 
 from __future__ import annotations
@@ -17,9 +19,9 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 import torch
-import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
+from megascale.core.parallel.cp.block_attention import BlockPlan, block_attention, block_plan
 from megascale.core.parallel.cp.kv_exchange import HaloPlan, choose, exchange_halo, gather_kv
 from megascale.core.parallel.cp.sharding import positions
 from megascale.core.parallel.wait_timer import WaitTimer, untimed
@@ -37,15 +39,15 @@ def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None)
 
 
 @lru_cache(maxsize=64)
-def _layout(local_len: int, rank: int, cp: int, window: int | None) -> tuple[HaloPlan | None, torch.Tensor]:
-    """How this rank gets its keys (the halo plan, or None: all-gather) and the mask over them, on the CPU."""
+def _layout(local_len: int, rank: int, cp: int, window: int | None) -> tuple[HaloPlan | None, BlockPlan]:
+    """How this rank gets its keys (the halo plan, or None: all-gather) and which blocks it computes."""
     q_pos = positions(local_len, rank, cp)
-    plan = choose(local_len, cp, window)
-    if plan is None:
+    halo = choose(local_len, cp, window)
+    if halo is None:
         k_pos = torch.cat([positions(local_len, r, cp) for r in range(cp)])
     else:
-        k_pos = torch.cat((plan.positions(rank), q_pos))
-    return plan, attention_mask(q_pos, k_pos, window)
+        k_pos = torch.cat((halo.positions(rank), q_pos))
+    return halo, block_plan(tuple(q_pos.tolist()), tuple(k_pos.tolist()), window)
 
 
 @dataclass(eq=False)
@@ -89,17 +91,12 @@ class ContextParallel:
         """q (B, T/cp, H, hd), k and v (B, T/cp, KV, hd), already rotated → (B, T/cp, H, hd)."""
         local_len, kv_heads = q.shape[1], k.shape[2]
         kv = torch.cat((k, v), dim=2)  # one exchange for both
-        plan, mask = _layout(local_len, self.rank, self.size, window)
-        if plan is None:
+        halo, blocks = _layout(local_len, self.rank, self.size, window)
+        if halo is None:
             kv_all = gather_kv(kv, self.group, timer=self.wait_timer)
         else:
             kv_all = torch.cat(
-                (exchange_halo(kv, plan, self.rank, self.group, timer=self.wait_timer), kv), dim=1
+                (exchange_halo(kv, halo, self.rank, self.group, timer=self.wait_timer), kv), dim=1
             )
         k_all, v_all = kv_all.split(kv_heads, dim=2)
-        mask = mask.to(q.device)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k_all.transpose(1, 2), v_all.transpose(1, 2), attn_mask=mask, scale=scale,
-            enable_gqa=q.shape[2] != kv_heads,
-        )  # fmt: skip
-        return out.transpose(1, 2)
+        return block_attention(q, k_all, v_all, blocks, scale)

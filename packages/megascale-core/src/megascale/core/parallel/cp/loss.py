@@ -20,21 +20,24 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from megascale.core.model.gpt import NextTokenLoss
 from megascale.core.parallel.cp.sharding import shard_sequence
 
 __all__ = ["ContextParallelLoss"]
 
 
-class ContextParallelLoss(nn.Module):
-    """Wraps a mean next-token loss (``NextTokenLoss``, ``VocabParallelCrossEntropy``) for a cp group."""
+class ContextParallelLoss(NextTokenLoss):
+    """Wraps a mean next-token loss (``NextTokenLoss``, ``VocabParallelCrossEntropy``) for a cp group; a
+    ``NextTokenLoss`` itself, so it stands where the GPT's loss stood."""
 
-    def __init__(self, inner: nn.Module, group: ProcessGroup) -> None:
-        super().__init__()
+    def __init__(self, inner: NextTokenLoss, group: ProcessGroup) -> None:
+        nn.Module.__init__(self)
+        self.vocab_size, self.backend = inner.vocab_size, inner.backend
         self.inner = inner
         self.group = group
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        self.ignore_index: int = getattr(inner, "ignore_index", -100)
+        self.ignore_index = inner.ignore_index
 
     def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """``logits`` of this rank's chunks (B, T/cp, V), ``targets`` of the whole sequences (B, T)."""

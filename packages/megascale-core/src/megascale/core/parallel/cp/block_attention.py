@@ -1,0 +1,166 @@
+"""Attention over keys held in position runs, block by block, never building a (queries × keys) mask.
+
+A context-parallel rank's queries are two runs of consecutive positions (its chunks) and its keys a few runs
+(chunks gathered from every rank, or the halo's tails and its own chunks). A (query run, key run) pair is
+skipped when no query may see any key (keys after every query, or all before the window), computed without
+a mask when every query sees every key, and masked only where the causal diagonal or the window's edge runs
+through it (a mask of that block alone, made when needed). Blocks are merged with the online softmax of
+flash attention (Dao et al. 2022): a running maximum and sum per query row, in fp32.
+
+The backward recomputes each block's probabilities from the saved log-sum-exp, so what is saved for backward
+is q, k, v, the output and one fp32 log-sum-exp per query and head — as flash attention saves, and nothing
+quadratic. That is what makes a rank's activation memory fall as 1/cp: a dense boolean mask over the rank's
+queries and the gathered keys would be s²/cp bytes per sequence, more than the activations themselves at
+long sequences.
+
+Grouped-query heads are handled by viewing the query heads as (kv heads × group): keys and values are never
+repeated. The reference for the values: ``torch.nn.functional.scaled_dot_product_attention`` with the mask
+built from the positions (``tests/core/test_context_parallel.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+__all__ = ["BlockPlan", "block_attention", "block_plan", "runs"]
+
+FULL, MASKED = "full", "masked"
+Run = tuple[int, int, int]  # (index of the first, its position, length)
+
+
+def runs(pos: tuple[int, ...]) -> tuple[Run, ...]:
+    """Maximal runs of consecutive positions in ``pos``: (index of the first, its position, length)."""
+    out: list[Run] = []
+    for i, p in enumerate(pos):
+        if out and p == out[-1][1] + out[-1][2] and i == out[-1][0] + out[-1][2]:
+            start, first, n = out[-1]
+            out[-1] = (start, first, n + 1)
+        else:
+            out.append((i, p, 1))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    """For each query run (index, position, length), the key runs it attends and whether they need a mask."""
+
+    q_runs: tuple[Run, ...]
+    pairs: tuple[tuple[tuple[Run, str], ...], ...]  # per query run: ((key run, FULL | MASKED), ...)
+    window: int | None
+
+
+@lru_cache(maxsize=64)
+def block_plan(q_pos: tuple[int, ...], k_pos: tuple[int, ...], window: int | None) -> BlockPlan:
+    """Which (query run, key run) blocks to compute for causal attention with an optional sliding window
+    (query t sees key s when t − window < s ≤ t)."""
+    q_runs, k_runs = runs(q_pos), runs(k_pos)
+    pairs = []
+    for _, a, lq in q_runs:
+        last_q = a + lq - 1
+        mine: list[tuple[Run, str]] = []
+        for k in k_runs:
+            _, b, lk = k
+            last_k = b + lk - 1
+            if b > last_q or (window is not None and last_k <= a - window):
+                continue  # every key after every query, or before every query's window
+            inside = last_k <= a and (window is None or b > last_q - window)
+            mine.append((k, FULL if inside else MASKED))
+        pairs.append(tuple(mine))
+    return BlockPlan(q_runs, tuple(pairs), window)
+
+
+def _mask(a: int, lq: int, b: int, lk: int, window: int | None, device: torch.device) -> torch.Tensor:
+    t = torch.arange(a, a + lq, device=device).unsqueeze(1)
+    s = torch.arange(b, b + lk, device=device).unsqueeze(0)
+    mask = s <= t
+    if window is not None:
+        mask &= s > t - window
+    return mask
+
+
+def _blocks(plan: BlockPlan, device: torch.device) -> Iterator[tuple[slice, slice, torch.Tensor | None]]:
+    for (qi, a, lq), pairs in zip(plan.q_runs, plan.pairs):
+        for (ki, b, lk), kind in pairs:
+            mask = _mask(a, lq, b, lk, plan.window, device) if kind == MASKED else None
+            yield slice(qi, qi + lq), slice(ki, ki + lk), mask
+
+
+class _BlockAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, plan: BlockPlan, scale: float):
+        B, Tq, H, hd = q.shape
+        kv = k.shape[2]
+        # (B, KV, group, T, hd) queries; (B, KV, 1, T, hd) keys and values: grouped heads without copies
+        qf = q.float().view(B, Tq, kv, H // kv, hd).permute(0, 2, 3, 1, 4)
+        kf, vf = (t.float().permute(0, 2, 1, 3).unsqueeze(2) for t in (k, v))
+        out = qf.new_zeros(qf.shape)
+        lse = qf.new_full(qf.shape[:-1], -math.inf)  # the running row maximum, until the end
+        sums = qf.new_zeros(qf.shape[:-1])  # the running row sum of exp(score − maximum)
+        for qs, ks, mask in _blocks(plan, q.device):
+            s = torch.matmul(qf[..., qs, :], kf[..., ks, :].transpose(-1, -2)) * scale
+            if mask is not None:
+                s = s.masked_fill(~mask, -math.inf)
+            m_old = lse[..., qs]
+            m_new = torch.maximum(m_old, s.amax(-1))
+            safe = torch.where(torch.isinf(m_new), 0.0, m_new)  # rows that saw no key yet
+            p = torch.exp(s - safe.unsqueeze(-1))
+            alpha = torch.exp(m_old - safe)
+            out[..., qs, :] = out[..., qs, :] * alpha.unsqueeze(-1) + torch.matmul(p, vf[..., ks, :])
+            sums[..., qs] = sums[..., qs] * alpha + p.sum(-1)
+            lse[..., qs] = m_new
+        out = out / sums.unsqueeze(-1)
+        lse = lse + sums.log()  # every query sees itself: no empty row
+        # contiguous: (B, T, H·hd) views of it are what the output projection reads and saves, one storage
+        result = out.permute(0, 3, 1, 2, 4).reshape(B, Tq, H, hd).to(q.dtype).contiguous()
+        ctx.save_for_backward(q, k, v, result, lse)
+        ctx.plan, ctx.scale = plan, scale
+        return result
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse = ctx.saved_tensors
+        B, Tq, H, hd = q.shape
+        kv = k.shape[2]
+
+        def grouped(t: torch.Tensor) -> torch.Tensor:
+            return t.float().view(B, Tq, kv, H // kv, hd).permute(0, 2, 3, 1, 4)
+
+        qf, of, gf = grouped(q), grouped(out), grouped(grad)
+        kf, vf = (t.float().permute(0, 2, 1, 3).unsqueeze(2) for t in (k, v))
+        delta = (gf * of).sum(-1)  # rowsum(dO ∘ O)
+        dq = torch.zeros_like(qf)
+        dk = torch.zeros_like(kf)
+        dv = torch.zeros_like(vf)
+        for qs, ks, mask in _blocks(ctx.plan, q.device):
+            s = torch.matmul(qf[..., qs, :], kf[..., ks, :].transpose(-1, -2)) * ctx.scale
+            if mask is not None:
+                s = s.masked_fill(~mask, -math.inf)
+            p = torch.exp(s - lse[..., qs].unsqueeze(-1))
+            g = gf[..., qs, :]
+            dv[..., ks, :] += torch.matmul(p.transpose(-1, -2), g).sum(2, keepdim=True)
+            ds = p * (torch.matmul(g, vf[..., ks, :].transpose(-1, -2)) - delta[..., qs].unsqueeze(-1))
+            dq[..., qs, :] += torch.matmul(ds, kf[..., ks, :]) * ctx.scale
+            dk[..., ks, :] += (
+                torch.matmul(ds.transpose(-1, -2), qf[..., qs, :]).sum(2, keepdim=True) * ctx.scale
+            )
+        dq = dq.permute(0, 3, 1, 2, 4).reshape(q.shape).to(q.dtype)
+        dk, dv = (t.squeeze(2).permute(0, 2, 1, 3).to(k.dtype) for t in (dk, dv))
+        return dq, dk, dv, None, None
+
+
+def block_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: BlockPlan,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Softmax attention of q (B, Tq, H, hd) over k, v (B, Tk, KV, hd) at the positions ``plan`` was made for
+    (``block_plan``): (B, Tq, H, hd), in q's dtype (computed in fp32)."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    return _BlockAttention.apply(q, k, v, plan, scale)
