@@ -85,13 +85,15 @@ def test_the_halo_brings_exactly_the_keys_each_window_needs(cp: int, window: int
         assert max(plan.received(r) for r in range(cp)) <= 2 * (window - 1)
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused CPU kernel", "fp32 reference"])
 @pytest.mark.parametrize("cp", [1, 2, 3])
 @pytest.mark.parametrize("window", [None, 1, 3, 6, 40])
 def test_block_attention_is_sdpa_with_the_positions_mask_forward_and_backward(
-    cp: int, window: int | None
+    cp: int, window: int | None, fused: bool
 ) -> None:
     """Every rank's layout of keys (all gathered, or the halo and its own), grouped-query heads: the blocks'
-    online softmax and recomputing backward against SDPA over the dense mask built from the positions."""
+    online softmax and recomputing backward against SDPA over the dense mask built from the positions, through
+    torch's fused CPU kernel per block and through the plain fp32 reference."""
     local = 12  # chunks of 6
     gen = torch.Generator().manual_seed(cp * 100 + (window or 0))
     for rank in range(cp):
@@ -104,7 +106,7 @@ def test_block_attention_is_sdpa_with_the_positions_mask_forward_and_backward(
         q = torch.randn(2, local, 4, 8, generator=gen, requires_grad=True)
         k, v = (torch.randn(2, len(k_pos), 2, 8, generator=gen, requires_grad=True) for _ in range(2))
         plan = block_plan(tuple(q_pos.tolist()), tuple(k_pos.tolist()), window)
-        got = block_attention(q, k, v, plan)
+        got = block_attention(q, k, v, plan, fused=fused)
         mask = attention_mask(q_pos, k_pos, window)
         want = torch.nn.functional.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, enable_gqa=True

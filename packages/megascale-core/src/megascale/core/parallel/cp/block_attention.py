@@ -7,6 +7,11 @@ a mask when every query sees every key, and masked only where the causal diagona
 through it (a mask of that block alone, made when needed). Blocks are merged with the online softmax of
 flash attention (Dao et al. 2022): a running maximum and sum per query row, in fp32.
 
+On the CPU each block runs through torch's fused flash-attention kernel (``_FlashCPUBlocks``: its forward
+returns the block's log-sum-exp, merged as above; its backward, given the merged output and log-sum-exp,
+returns exactly that block's gradients, as ring attention uses them); ``_BlockAttention`` is the reference,
+in plain fp32 matmuls, and what other devices run until their fused kernels are wired the same way.
+
 The backward recomputes each block's probabilities from the saved log-sum-exp, so what is saved for backward
 is q, k, v, the output and one fp32 log-sum-exp per query and head — as flash attention saves, and nothing
 quadratic. That is what makes a rank's activation memory fall as 1/cp: a dense boolean mask over the rank's
@@ -153,14 +158,85 @@ class _BlockAttention(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
+def _flash_cpu_blocks(
+    plan: BlockPlan, device: torch.device, dtype: torch.dtype
+) -> Iterator[tuple[slice, slice, bool, torch.Tensor | None, torch.Tensor | None]]:
+    """Per block: query and key slices, is_causal, an additive mask (or None) and the rows that see no key."""
+    for (qi, a, lq), pairs in zip(plan.q_runs, plan.pairs):
+        for (ki, b, lk), kind in pairs:
+            causal, mask, empty = False, None, None
+            if kind == MASKED:
+                if a == b and lq == lk and plan.window is None:
+                    causal = True  # the diagonal: the op's own causal mask (top-left aligned) is exact
+                else:
+                    allowed = _mask(a, lq, b, lk, plan.window, device)
+                    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(
+                        ~allowed, -math.inf
+                    )
+                    empty = ~allowed.any(-1)
+            yield slice(qi, qi + lq), slice(ki, ki + lk), causal, mask, empty
+
+
+class _FlashCPUBlocks(torch.autograd.Function):
+    """The same blocks through torch's fused CPU flash-attention kernel (its forward gives each block's
+    log-sum-exp to merge by; its backward, given the merged output and log-sum-exp, each block's gradients):
+    what ``_BlockAttention`` computes, at the speed of SDPA."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, plan: BlockPlan, scale: float):
+        qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, hd)
+        out = torch.zeros(qh.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(qh.shape[:-1], -math.inf, dtype=torch.float32, device=q.device)
+        for qs, ks, causal, mask, empty in _flash_cpu_blocks(plan, q.device, q.dtype):
+            o, m = _FLASH_CPU(
+                qh[:, :, qs], kh[:, :, ks], vh[:, :, ks], 0.0, causal, attn_mask=mask, scale=scale
+            )
+            if empty is not None:  # the kernel gives rows that see no key a log-sum-exp of 0: none
+                m = m.masked_fill(empty, -math.inf)
+            merged = torch.logaddexp(lse[:, :, qs], m)
+            keep = torch.where(torch.isinf(merged), 0.0, torch.exp(lse[:, :, qs] - merged))
+            add = torch.where(torch.isinf(merged), 0.0, torch.exp(m - merged))
+            out[:, :, qs] = out[:, :, qs] * keep.unsqueeze(-1) + o.float() * add.unsqueeze(-1)
+            lse[:, :, qs] = merged
+        result = out.transpose(1, 2).to(q.dtype).contiguous()  # (B, T, heads, hd), as _BlockAttention's
+        ctx.save_for_backward(q, k, v, result, lse)
+        ctx.plan, ctx.scale = plan, scale
+        return result
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse = ctx.saved_tensors
+        qh, kh, vh, oh, gh = (t.transpose(1, 2) for t in (q, k, v, out, grad.contiguous()))
+        dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (qh, kh, vh))
+        for qs, ks, causal, mask, _ in _flash_cpu_blocks(ctx.plan, q.device, q.dtype):
+            gq, gk, gv = _FLASH_CPU_BACKWARD(gh[:, :, qs], qh[:, :, qs], kh[:, :, ks], vh[:, :, ks], oh[:, :, qs],
+                                             lse[:, :, qs], 0.0, causal, attn_mask=mask, scale=ctx.scale)  # fmt: skip
+            dq[:, :, qs] += gq
+            dk[:, :, ks] += gk
+            dv[:, :, ks] += gv
+        return (*(t.transpose(1, 2).to(q.dtype) for t in (dq, dk, dv)), None, None)
+
+
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_FLASH_CPU_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+
+
 def block_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     plan: BlockPlan,
     scale: float | None = None,
+    *,
+    fused: bool = True,
 ) -> torch.Tensor:
     """Softmax attention of q (B, Tq, H, hd) over k, v (B, Tk, KV, hd) at the positions ``plan`` was made for
-    (``block_plan``): (B, Tq, H, hd), in q's dtype (computed in fp32)."""
+    (``block_plan``): (B, Tq, H, hd), in q's dtype.
+
+    On the CPU, with ``fused`` (the default) and torch's fused CPU flash-attention kernel present, each block
+    runs through it; otherwise (other devices, for now; ``fused=False``: the reference) through the fp32
+    matmuls and online softmax of ``_BlockAttention``. Both save the same tensors."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if fused and q.device.type == "cpu" and _FLASH_CPU is not None and _FLASH_CPU_BACKWARD is not None:
+        return _FlashCPUBlocks.apply(q, k, v, plan, scale)
     return _BlockAttention.apply(q, k, v, plan, scale)
