@@ -30,8 +30,9 @@ from megascale.core.parallel.cp.attention import attention_mask
 from megascale.core.parallel.cp.block_attention import block_attention, block_plan
 from megascale.core.parallel.cp.kv_exchange import choose
 from megascale.core.parallel.cp.sharding import chunk_owner
+from megascale.core.parallel.cp.user_model import check_context_parallel_plan
 from tests._dist import run_distributed
-from tests._models import full_weights
+from tests._models import AttentionLM, Head, LayeredLM, MLPBlock, full_weights
 from tests.core._tiny import TINY_GQA_GPT
 
 WEIGHT_TOL = 1e-6
@@ -273,3 +274,71 @@ def test_a_sliding_window_moves_only_its_halo_and_full_attention_gathers_every_k
         assert "all_gather" not in kinds, kinds
         # one tail of window − 1 = 2 tokens each way: 1/32 of the all-gather at 64 tokens
         assert payload["send"] == 2 * token_bytes, (rank, payload)
+
+
+# ---- a model of a user's own -------------------------------------------------------------------------------
+
+
+def _build_own() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return AttentionLM(vocab=64, width=32, layers=2)
+
+
+def _own_worker(rank: int, world: int, layouts: list[dict[str, Any]]) -> dict[str, Any]:
+    out = {}
+    for kw in layouts:
+        plan = ParallelPlan(**kw)
+        mesh = plan.dims(world).build_mesh("cpu")
+        with torch.device("meta"):
+            model = _build_own()
+        runtime = parallelize(model, plan, mesh, device="cpu")
+        got = _train(model, runtime, mesh["dp"].get_local_rank(), mesh["dp"].size())
+        out[repr(kw)] = {**got, "weights": full_weights(model)}
+        runtime.zero.remove()
+    # a model with neither a megascale GPT nor a context_parallel_plan: refused before any collective
+    plain = LayeredLM(64, 32, [MLPBlock(32)], Head(32, 64))
+    try:
+        parallelize(plain, ParallelPlan(cp=2), ParallelPlan(cp=2).dims(world).build_mesh("cpu"), device="cpu")
+        out["refused"] = None
+    except ValueError as error:
+        out["refused"] = str(error)
+    return out
+
+
+def test_a_model_of_ones_own_declaring_its_plan_trains_like_one_process() -> None:
+    """tests/_models.py's AttentionLM (rotary, grouped-query heads, its own loss module) under cp2 with ZeRO-1
+    and ZeRO-3, against one process: the same tolerances as the GPT's."""
+    layouts = [dict(cp=2, zero_stage=1), dict(cp=2, zero_stage=3)]
+    results = run_distributed(_own_worker, 2, layouts, timeout=300)
+    with torch.device("meta"):
+        model = _build_own()
+    materialize(model, "cpu", seed=torch.initial_seed())
+    want = {**_train(model, None, 0, 1), "weights": full_weights(model)}
+    for kw in layouts:
+        for rank, result in enumerate(results):
+            _compare(result[repr(kw)], want, f"own model {kw}, rank {rank}")
+    for result in results:
+        assert "holds no megascale GPT and declares no context_parallel_plan" in (result["refused"] or "")
+
+
+class _Conv(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mix = torch.nn.Conv1d(4, 4, 3, padding=1)
+
+
+def test_what_a_context_parallel_plan_cannot_do_is_refused_by_name() -> None:
+    model = AttentionLM()
+    plan = dict(model.context_parallel_plan)
+    check_context_parallel_plan(model, plan, 2)  # the plan as declared is fine
+    with pytest.raises(ValueError, match=r"\['attention'\] = 'layers\.\*\.attn' matches no module"):
+        check_context_parallel_plan(model, {**plan, "attention": "layers.*.attn"}, 2)
+    with pytest.raises(ValueError, match=r"needs exactly the roles .* missing \['loss'\]"):
+        check_context_parallel_plan(model, {"tokens": "embed", "attention": "blocks.*.attn"}, 2)
+    with pytest.raises(
+        ValueError, match=r"blocks\.0\.mlp \(MLPBlock\) .* does not declare `context_parallel"
+    ):
+        check_context_parallel_plan(model, {**plan, "attention": "blocks.0.mlp"}, 2)
+    model.blocks[0].conv = _Conv()
+    with pytest.raises(ValueError, match=r"blocks\.0\.conv\.mix \(Conv1d\) mixes tokens along the sequence"):
+        check_context_parallel_plan(model, plan, 2)

@@ -429,15 +429,19 @@ def _check_ties_kept(module: nn.Module, ties: dict[int, list[tuple[str, nn.Modul
 
 def _apply_context_parallel(module: nn.Module, gpts: list[GPT], cp_mesh: DeviceMesh) -> None:
     from megascale.core.parallel.cp import apply_context_parallel
+    from megascale.core.parallel.cp.user_model import apply_context_parallel_plan, context_parallel_plans
 
-    if not gpts:
+    plans = [(n, m, p) for n, m, p in context_parallel_plans(module) if not isinstance(m, GPT)]
+    if not gpts and not plans:
         raise ValueError(
             f"cp={cp_mesh.size()}: context parallelism splits the sequence inside attention, and "
-            f"{type(module).__name__} holds no megascale GPT whose attention knows how (a model of your own "
-            "cannot declare its attention context-parallel yet); use cp=1"
+            f"{type(module).__name__} holds no megascale GPT and declares no context_parallel_plan (which modules "
+            "take the tokens, attend and compute the loss: docs/guides/core.md, 'Context parallelism'); use cp=1"
         )
     for gpt in gpts:
         apply_context_parallel(gpt, cp_mesh)
+    for _, m, plan in plans:
+        apply_context_parallel_plan(m, plan, cp_mesh)
 
 
 def _replica_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:

@@ -7,6 +7,8 @@
 - ``attention``: ``ContextParallel``, what an attention core calls under cp.
 - ``loss``: the whole sequence's mean loss from each rank's part.
 - ``apply``: ``apply_context_parallel`` for a megascale GPT.
+- ``user_model``: a model of your own, by its ``context_parallel_plan``.
+- ``block_attention``: attention block by block over runs of positions (nothing quadratic kept).
 """
 
 from megascale.core.parallel.cp.apply import apply_context_parallel, check_context_parallel
@@ -14,13 +16,16 @@ from megascale.core.parallel.cp.attention import ContextParallel
 from megascale.core.parallel.cp.kv_exchange import HaloPlan, exchange_halo, gather_kv, halo_plan
 from megascale.core.parallel.cp.loss import ContextParallelLoss
 from megascale.core.parallel.cp.sharding import positions, shard_sequence, unshard_sequence
+from megascale.core.parallel.cp.user_model import apply_context_parallel_plan, check_context_parallel_plan
 
 __all__ = [
     "ContextParallel",
     "ContextParallelLoss",
     "HaloPlan",
     "apply_context_parallel",
+    "apply_context_parallel_plan",
     "check_context_parallel",
+    "check_context_parallel_plan",
     "exchange_halo",
     "gather_kv",
     "halo_plan",

@@ -27,17 +27,20 @@ __all__ = ["ContextParallelLoss"]
 
 
 class ContextParallelLoss(NextTokenLoss):
-    """Wraps a mean next-token loss (``NextTokenLoss``, ``VocabParallelCrossEntropy``) for a cp group; a
-    ``NextTokenLoss`` itself, so it stands where the GPT's loss stood."""
+    """Wraps a mean next-token loss module (``NextTokenLoss``, ``VocabParallelCrossEntropy``, a model's own:
+    (logits, targets) -> the mean over targets != ``ignore_index``) for a cp group; a ``NextTokenLoss``
+    itself, so it stands where a GPT's loss stood."""
 
-    def __init__(self, inner: NextTokenLoss, group: ProcessGroup) -> None:
+    def __init__(self, inner: nn.Module, group: ProcessGroup) -> None:
         nn.Module.__init__(self)
-        self.vocab_size, self.backend = inner.vocab_size, inner.backend
+        if isinstance(inner, NextTokenLoss):
+            self.vocab_size, self.backend = inner.vocab_size, inner.backend
         self.inner = inner
         self.group = group
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        self.ignore_index = inner.ignore_index
+        # a loss of a model's own: F.cross_entropy's default unless it says otherwise
+        self.ignore_index = int(getattr(inner, "ignore_index", -100))
 
     def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """``logits`` of this rank's chunks (B, T/cp, V), ``targets`` of the whole sequences (B, T)."""
