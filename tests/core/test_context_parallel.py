@@ -302,6 +302,17 @@ def _own_worker(rank: int, world: int, layouts: list[dict[str, Any]]) -> dict[st
         out["refused"] = None
     except ValueError as error:
         out["refused"] = str(error)
+    # a model that applied fully_shard itself on the dp mesh: it would not average over the cp ranks
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = ParallelPlan(cp=2).dims(world).build_mesh("cpu")
+    sharded = AttentionLM()
+    fully_shard(sharded, mesh=mesh["dp"])
+    try:
+        parallelize(sharded, ParallelPlan(cp=2), mesh, device="cpu")
+        out["fsdp"] = None
+    except ValueError as error:
+        out["fsdp"] = str(error)
     return out
 
 
@@ -319,6 +330,7 @@ def test_a_model_of_ones_own_declaring_its_plan_trains_like_one_process() -> Non
             _compare(result[repr(kw)], want, f"own model {kw}, rank {rank}")
     for result in results:
         assert "holds no megascale GPT and declares no context_parallel_plan" in (result["refused"] or "")
+        assert "applied fully_shard itself on the data-parallel mesh, and cp=2" in (result["fsdp"] or "")
 
 
 class _Conv(torch.nn.Module):

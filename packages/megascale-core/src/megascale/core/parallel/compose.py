@@ -173,6 +173,12 @@ def parallelize(
         )
     plan.check_model(module)
     user_fsdp = _check_foreign_sharding(module, mesh, dims)
+    if user_fsdp and dims.cp > 1:
+        raise ValueError(
+            f"the model applied fully_shard itself on the data-parallel mesh, and cp={dims.cp}: context-parallel "
+            "ranks hold the same parameters and must average their gradients too, which that fully_shard does "
+            "not do; leave ZeRO to the strategy (zero_stage=2 or 3 shards over dp × cp), or use cp=1"
+        )
     notes: list[str] = []
     region_check: RegionCheck | None = None
     gpts = [m for m in module.modules() if isinstance(m, GPT)]
