@@ -2,7 +2,8 @@
 
 ``ConformanceModule(shape, features)`` is what a Lightning user writes (``nn.Embedding``, ``nn.Linear``,
 ``nn.LayerNorm``, ``F.scaled_dot_product_attention``; built in ``configure_model``), and joins megascale's
-layouts only by what it declares: a ``tensor_parallel_plan`` and ``pipeline_layers()``/``pipeline_loss()``.
+layouts only by what it declares: a ``tensor_parallel_plan``, ``pipeline_layers()``/``pipeline_loss()`` and a
+``context_parallel_plan`` (its attention and position embedding use the ``context_parallel`` they are given).
 ``shape`` (drawn from a seed by ``scenarios.draw_shape``) sets depth, width, heads, biases; ``features``
 switch on what a scenario exercises (frozen parameters, LayerDrop, manual optimization, schedulers, ...).
 
@@ -31,6 +32,10 @@ EPS = 1e-6
 
 
 class Attention(nn.Module):
+    context_parallel = (
+        None  # set under cp > 1 (the Net's context_parallel_plan): attends over every rank's keys
+    )
+
     def __init__(self, width: int, heads: int, kv_heads: int, bias: bool, fused: bool, mask_len: int,
                  mask_device: bool = False) -> None:  # fmt: skip
         super().__init__()
@@ -63,6 +68,11 @@ class Attention(nn.Module):
         q = q.reshape(B, T, -1, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
         k = k.reshape(B, T, -1, self.head_dim).transpose(1, 2)
         v = v.reshape(B, T, -1, self.head_dim).transpose(1, 2)
+        if self.context_parallel is not None:  # (B, T, heads, hd) in and out; causal over the whole sequence
+            y = self.context_parallel.attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), window=None
+            )
+            return self.o(y.reshape(B, T, -1))
         if self.mask is not None:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask[:T, :T], enable_gqa=True)
         else:
@@ -121,13 +131,32 @@ class Head(nn.Module):
 class Embeddings(nn.Module):
     """Token and learned position embeddings, summed: one layer, so a pipeline's first stage holds both."""
 
+    context_parallel = None  # set under cp > 1: the tokens' places in the whole sequence
+
     def __init__(self, vocab: int, seq: int, width: int) -> None:
         super().__init__()
         self.tokens = nn.Embedding(vocab, width)
         self.positions = nn.Embedding(seq, width)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.tokens(ids) + self.positions(torch.arange(ids.shape[1], device=ids.device))
+        cp = self.context_parallel
+        places = (
+            cp.positions(ids.shape[1], ids.device)
+            if cp is not None
+            else torch.arange(ids.shape[1], device=ids.device)
+        )
+        return self.tokens(ids) + self.positions(places)
+
+
+class NextTokenLoss(nn.Module):
+    """The mean cross-entropy, in fp32, as a module (what the context_parallel_plan's "loss" names)."""
+
+    ignore_index = -100
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(
+            logits.flatten(0, 1).float(), targets.flatten(), ignore_index=self.ignore_index
+        )
 
 
 class Net(nn.Module):
@@ -151,6 +180,9 @@ class Net(nn.Module):
         self.head = Head(width, vocab, shape["bias"], bool(features.get("unused")))
         if features.get("tie") or features.get("tie_unplanned"):
             self.head.proj.weight = self.embed.weight  # type: ignore[assignment]
+        self.loss_fn = NextTokenLoss()
+        # context parallelism: which module takes the tokens, which attend, which computes the loss
+        self.context_parallel_plan = {"tokens": "embed", "attention": "blocks.*.attn", "loss": "loss_fn"}
 
     def tensor_parallel_plan(self) -> dict[str, Any] | None:
         f = self.features
@@ -187,7 +219,7 @@ class Net(nn.Module):
         return PipelineLayers(first=[self.embed], blocks=list(self.blocks), last=[self.head])
 
     def pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        return self.loss_fn(logits, targets)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         x = self.embed(tokens)

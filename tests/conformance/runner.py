@@ -87,14 +87,14 @@ def _union(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return out
 
 
-_MESHES: dict[tuple[int, int, int], Any] = {}
+_MESHES: dict[tuple[int, int, int, int], Any] = {}
 
 
 def _mesh(layout: Layout) -> Any:
     """One mesh per layout for the whole launch: each new mesh opens process groups that stay open."""
     from megascale.core.parallel.mesh import ParallelDims
 
-    key = (layout.dp, layout.pp, layout.tp)
+    key = (layout.dp, layout.pp, layout.tp, layout.cp)
     if key not in _MESHES:
         _MESHES[key] = ParallelDims(*key).build_mesh("cpu")
     return _MESHES[key]

@@ -36,12 +36,16 @@ class Layout:
         return int(self.strategy.get("pp", 1))
 
     @property
-    def dp(self) -> int:
-        return self.world // (self.tp * self.pp)
+    def cp(self) -> int:
+        return int(self.strategy.get("cp", 1))
 
     @property
-    def zero(self) -> int:
-        return int(self.strategy.get("zero_stage", 1)) if self.dp > 1 else 0
+    def dp(self) -> int:
+        return self.world // (self.tp * self.pp * self.cp)
+
+    @property
+    def zero(self) -> int:  # ZeRO shards over the ranks holding the same parameters: dp × cp
+        return int(self.strategy.get("zero_stage", 1)) if self.dp * self.cp > 1 else 0
 
 
 LAYOUTS = [
@@ -53,6 +57,7 @@ LAYOUTS = [
     Layout("tp2", dict(tp=2), 2),
     Layout("tp2/no-sp", dict(tp=2, sequence_parallel=False), 2),
     Layout("pp2", dict(pp=2), 2),
+    Layout("cp2", dict(cp=2), 2),
     Layout("tp2×dp2/zero1", dict(tp=2, zero_stage=1), 4),
     Layout("tp2×pp2", dict(tp=2, pp=2), 4),
     Layout("pp2×dp2/zero2", dict(pp=2, zero_stage=2), 4),
@@ -259,6 +264,10 @@ def _breaks_finetuning(layout: Layout) -> bool:
     return layout.tp > 1 or (layout.pp > 1 and layout.zero >= 2)
 
 
+def _context_parallel(layout: Layout) -> bool:
+    return layout.cp > 1
+
+
 def _always(layout: Layout) -> bool:
     return True
 
@@ -271,7 +280,10 @@ REFUSED: dict[str, list[tuple[Any, str]]] = {
     "lightning-grad-norm": [(_dtensor_grads, "are tensor-parallel or ZeRO-2/3 shards")],
     "torch-clip": [(_split, "are tensor-parallel or ZeRO-2/3 shards")],
     "tied": [(_pipelined, "which different pipeline stages hold (tied weights)")],
-    "model-parallel-module": [(_pipelined, "the model applied fully_shard itself, and pp > 1")],
+    "model-parallel-module": [
+        (_pipelined, "the model applied fully_shard itself, and pp > 1"),
+        (_context_parallel, "applied fully_shard itself on the data-parallel mesh, and cp=2"),
+    ],
     "buffers": [(_always, "were computed on the meta device in __init__")],
     "unmarked-norms": [(_sequence_parallel, "on a sequence shard")],
     "torch-sp-norms": [

@@ -223,6 +223,7 @@ TWO_RANKS = [
 FOUR_RANKS = [
     (dict(cp=4, zero_stage=1), True),
     (dict(cp=2, zero_stage=1), False),  # dp2 × cp2
+    (dict(cp=2, zero_stage=2), False),  # dp2 × cp2, gradients sharded over all four
     (dict(cp=2, zero_stage=3), True),  # dp2 × cp2, parameters sharded over all four
     (dict(cp=2, tp=2, zero_stage=1), True),  # with sequence parallelism
     (dict(cp=2, pp=2, zero_stage=1, num_microbatches=2), False),

@@ -1,6 +1,6 @@
 """A checkpoint saved under one layout and resumed under another continues exactly like one process.
 
-The conformance matrix (tests/conformance) resumes every pair of its eleven layouts; here megascale's GPT under
+The conformance matrix (tests/conformance) resumes every pair of its twelve layouts; here megascale's GPT under
 the layouts it lacks (issue 22 item 10's pp2 × dp2 ZeRO-1 → dp4 ZeRO-1, dp4 → dp2, dp2 → pp2 × dp2). Each
 saves once, after step 3 of 6, and resumes once, another layout's checkpoint, for steps 4-6; the resumed run
 must then end as one process running all 6 steps does: the logged loss of each step, the samples of each
@@ -37,7 +37,7 @@ STEPS, SAVED_AT = 6, 3
 STATE_TOL = 1e-4  # relative to the largest magnitude of each optimizer-state tensor
 
 # name: (strategy kwargs, dp size); world = dp × tp × pp. The conformance matrix (tests/conformance) resumes
-# every pair of its eleven layouts with a model of a user's own; these are the layouts it lacks, with the GPT,
+# every pair of its twelve layouts with a model of a user's own; these are the layouts it lacks, with the GPT,
 # and the save after fit (Lightning has torn the strategy down then).
 WORLD2 = {
     "dp2/zero1 elements": (dict(zero_stage=1), 2),

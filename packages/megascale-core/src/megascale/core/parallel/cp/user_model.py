@@ -4,7 +4,8 @@ A model joins by a ``context_parallel_plan``, three module-name patterns (``fnma
 ``tensor_parallel_plan``'s):
 
     context_parallel_plan = {
-        "tokens": "embed",             # its first argument (B, T, ...) is cut to the rank's chunks
+        "tokens": "embed",             # its first argument (B, T, ...) is cut to the rank's chunks (and, if it
+                                   # declares ``context_parallel``, it is given one: positions to embed)
         "attention": "blocks.*.attn",  # each gets a ContextParallel in ``context_parallel``
         "loss": "loss_fn",             # (logits, targets) -> mean over targets != ignore_index
     }
@@ -109,6 +110,8 @@ def apply_context_parallel_plan(root: nn.Module, plan: dict[str, str], cp_mesh: 
     group, rank = cp_mesh.get_group(), cp_mesh.get_local_rank()
     ((_, tokens),) = _matches(root, plan["tokens"])
     tokens.register_forward_pre_hook(_keep_chunks(rank, cp))
+    if hasattr(tokens, "context_parallel"):  # it asks where its tokens sit (learned position embeddings)
+        setattr(tokens, "context_parallel", ContextParallel(group, rank, cp))  # noqa: B010
     for _, m in _matches(root, plan["attention"]):
         setattr(m, "context_parallel", ContextParallel(group, rank, cp))  # noqa: B010 - a plain attribute, not a Module
     ((loss_name, loss),) = _matches(root, plan["loss"])
