@@ -96,21 +96,34 @@ def _blocks(plan: BlockPlan, device: torch.device) -> Iterator[tuple[slice, slic
             yield slice(qi, qi + lq), slice(ki, ki + lk), mask
 
 
+def _grouped(t: torch.Tensor, kv: int) -> torch.Tensor:
+    """(B, T, heads, hd) -> fp32 (B, KV, heads/KV, T, hd): query heads grouped by their key/value head."""
+    B, T, H, hd = t.shape
+    return t.float().view(B, T, kv, H // kv, hd).permute(0, 2, 3, 1, 4)
+
+
+def _keys(t: torch.Tensor) -> torch.Tensor:
+    """(B, T, KV, hd) -> fp32 (B, KV, 1, T, hd): broadcast over each group without copies."""
+    return t.float().permute(0, 2, 1, 3).unsqueeze(2)
+
+
+def _scores(qf: torch.Tensor, kf: torch.Tensor, qs: slice, ks: slice, mask: torch.Tensor | None,
+            scale: float) -> torch.Tensor:  # fmt: skip
+    """One block's scaled scores, -inf where ``mask`` forbids."""
+    s = torch.matmul(qf[..., qs, :], kf[..., ks, :].transpose(-1, -2)) * scale
+    return s if mask is None else s.masked_fill(~mask, -math.inf)
+
+
 class _BlockAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, plan: BlockPlan, scale: float):
         B, Tq, H, hd = q.shape
-        kv = k.shape[2]
-        # (B, KV, group, T, hd) queries; (B, KV, 1, T, hd) keys and values: grouped heads without copies
-        qf = q.float().view(B, Tq, kv, H // kv, hd).permute(0, 2, 3, 1, 4)
-        kf, vf = (t.float().permute(0, 2, 1, 3).unsqueeze(2) for t in (k, v))
+        qf, kf, vf = _grouped(q, k.shape[2]), _keys(k), _keys(v)
         out = qf.new_zeros(qf.shape)
         lse = qf.new_full(qf.shape[:-1], -math.inf)  # the running row maximum, until the end
         sums = qf.new_zeros(qf.shape[:-1])  # the running row sum of exp(score − maximum)
         for qs, ks, mask in _blocks(plan, q.device):
-            s = torch.matmul(qf[..., qs, :], kf[..., ks, :].transpose(-1, -2)) * scale
-            if mask is not None:
-                s = s.masked_fill(~mask, -math.inf)
+            s = _scores(qf, kf, qs, ks, mask, scale)
             m_old = lse[..., qs]
             m_new = torch.maximum(m_old, s.amax(-1))
             safe = torch.where(torch.isinf(m_new), 0.0, m_new)  # rows that saw no key yet
@@ -130,23 +143,15 @@ class _BlockAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         q, k, v, out, lse = ctx.saved_tensors
-        B, Tq, H, hd = q.shape
         kv = k.shape[2]
-
-        def grouped(t: torch.Tensor) -> torch.Tensor:
-            return t.float().view(B, Tq, kv, H // kv, hd).permute(0, 2, 3, 1, 4)
-
-        qf, of, gf = grouped(q), grouped(out), grouped(grad)
-        kf, vf = (t.float().permute(0, 2, 1, 3).unsqueeze(2) for t in (k, v))
+        qf, of, gf = _grouped(q, kv), _grouped(out, kv), _grouped(grad, kv)
+        kf, vf = _keys(k), _keys(v)
         delta = (gf * of).sum(-1)  # rowsum(dO ∘ O)
         dq = torch.zeros_like(qf)
         dk = torch.zeros_like(kf)
         dv = torch.zeros_like(vf)
         for qs, ks, mask in _blocks(ctx.plan, q.device):
-            s = torch.matmul(qf[..., qs, :], kf[..., ks, :].transpose(-1, -2)) * ctx.scale
-            if mask is not None:
-                s = s.masked_fill(~mask, -math.inf)
-            p = torch.exp(s - lse[..., qs].unsqueeze(-1))
+            p = torch.exp(_scores(qf, kf, qs, ks, mask, ctx.scale) - lse[..., qs].unsqueeze(-1))
             g = gf[..., qs, :]
             dv[..., ks, :] += torch.matmul(p.transpose(-1, -2), g).sum(2, keepdim=True)
             ds = p * (torch.matmul(g, vf[..., ks, :].transpose(-1, -2)) - delta[..., qs].unsqueeze(-1))
