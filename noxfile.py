@@ -23,10 +23,13 @@ here; without the pin pip would resolve a multi-GB CUDA build. The packages them
 
 from __future__ import annotations
 
+import functools
 import os
+import shutil
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import nox
@@ -47,6 +50,12 @@ LANES = (["lightning", "ft", "docs"], ["lint", "core", "data", "integration"])
 assert sorted(s for lane in LANES for s in lane) == sorted(SESSIONS)
 nox.options.sessions = ["ci"]
 nox.options.error_on_missing_interpreters = True
+
+# CI's machine has a few GB of disk to spare: the seven environments of one run (torch in each, triton in two,
+# transformers and datasets in the integration one) took 8.3 GB and a run failed with "No space left on device".
+# Under `ci` every session deletes its environment when it ends, so at most one per lane exists at a time
+# (~4 GB at the peak: integration beside ft); `nox -s NAME` keeps it for reuse (`-r`).
+DISCARD_VENVS = "MEGASCALE_NOX_DISCARD_VENVS"
 
 CONSTRAINTS = ".ci/constraints.txt"
 TEST_DEPS = ["pytest>=8", "pytest-timeout>=2.3"]
@@ -71,6 +80,21 @@ BENCH_DEPS = ["datasets>=2.19", "tokenizers>=0.19", "transformers>=4.51", "safet
 DOCS_DEPS = ["mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26"]
 
 
+def _discarded_under_ci(func: Callable[[nox.Session], None]) -> Callable[[nox.Session], None]:
+    """The session, deleting its environment when it ends if DISCARD_VENVS is set (by `ci`)."""
+
+    @functools.wraps(func)
+    def run(session: nox.Session) -> None:
+        try:
+            func(session)
+        finally:
+            location = getattr(session.virtualenv, "location", None)
+            if os.environ.get(DISCARD_VENVS) == "1" and location and Path(location, "pyvenv.cfg").is_file():
+                shutil.rmtree(location, ignore_errors=True)
+
+    return run
+
+
 def _install(session: nox.Session, *requirements: str) -> None:
     # --no-compile: byte-compiling all of torch, transformers and Lightning at install time took most of each
     # session's set-up (42 s of torch's 54 s here); Python compiles what a test imports, when it imports it.
@@ -92,6 +116,7 @@ def _mypy(session: nox.Session) -> None:
 
 def _package_session(name: str) -> None:
     @nox.session(name=name)
+    @_discarded_under_ci
     def run(session: nox.Session) -> None:
         # megascale-lightning depends on megascale-core (same version), which is not on an index: install
         # it from the tree first, exactly as its requirement pins it.
@@ -125,6 +150,7 @@ def slow(session: nox.Session) -> None:
 
 
 @nox.session
+@_discarded_under_ci
 def integration(session: nox.Session) -> None:
     """All four packages installed together: the type check, and the tests that need several packages
     (tests/integration), CI tier."""
@@ -137,11 +163,15 @@ def integration(session: nox.Session) -> None:
 def ci(session: nox.Session) -> None:
     """What CI runs: every session of SESSIONS, in the two LANES side by side (each lane a nox of its own, its
     lines prefixed with its first session's name); fails if any session failed."""
+    free = shutil.disk_usage(".").free / 2**30
+    session.log(f"{free:.1f} GiB free on this disk; each lane deletes its environments as it goes")
+    # no pip cache either: every wheel is installed once per environment and never again
+    env = {**os.environ, DISCARD_VENVS: "1", "PIP_NO_CACHE_DIR": "1"}
     lanes = []
     for lane in LANES:
         proc = subprocess.Popen(
             [sys.executable, "-m", "nox", "-s", *lane, "--", *session.posargs],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env,
         )  # fmt: skip
         echo = threading.Thread(target=_echo, args=(proc, f"[{'+'.join(lane)}] "))
         echo.start()
@@ -172,6 +202,7 @@ def conformance(session: nox.Session) -> None:
 
 
 @nox.session
+@_discarded_under_ci
 def lint(session: nox.Session) -> None:
     """ruff over packages, tests, benchmarks and examples."""
     session.install("ruff>=0.6")
@@ -188,6 +219,7 @@ def typecheck(session: nox.Session) -> None:
 
 
 @nox.session
+@_discarded_under_ci
 def docs(session: nox.Session) -> None:
     """Build the documentation site; warnings are errors."""
     session.install(*DOCS_DEPS)
