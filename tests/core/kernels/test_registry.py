@@ -108,6 +108,7 @@ def test_preference_order() -> None:
     for name in ("bias_gelu", "swiglu", "rope", "cross_entropy"):
         assert get_kernel(name).backend_names() == ["triton", "torch"], name
     assert attention.backend_names() == ["flash", "flash4", "flex", "sdpa", "torch"]
+    assert get_kernel("grouped_mm").backend_names() == ["grouped_mm", "torch"]
 
 
 def test_cpu_automatic_choice_is_the_reference_with_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:

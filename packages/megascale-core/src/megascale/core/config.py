@@ -11,11 +11,12 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Literal
 
-__all__ = ["GPTConfig", "RopeScaling"]
+__all__ = ["GPTConfig", "MoEConfig", "RopeScaling"]
 
 NormKind = Literal["rmsnorm", "layernorm"]
 ActivationKind = Literal["swiglu", "gelu"]
 RopeScalingKind = Literal["llama3"]
+RouterScore = Literal["softmax", "sigmoid"]
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,62 @@ class RopeScaling:
             raise ValueError("invalid RopeScaling: " + "; ".join(problems))
 
 
+@dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts feed-forward in place of every block's MLP (Mixtral, Qwen3-MoE, DeepSeek-V3).
+
+    Each token goes to the ``top_k`` experts its router scores highest and gets their outputs summed, weighted
+    by those scores; no token is ever dropped (each expert takes however many tokens chose it). Shared experts,
+    if any, see every token.
+
+    Args:
+        num_experts: routed experts per layer.
+        top_k: experts each token goes to.
+        expert_hidden: width of one expert's MLP; None = ``GPTConfig.ffn_dim``.
+        shared_experts: experts every token goes to besides the routed ones (DeepSeek-V3: 1), computed as one
+            MLP ``shared_experts·expert_hidden`` wide.
+        score: "softmax" over all experts (Mixtral, Qwen3-MoE) or a "sigmoid" per expert (DeepSeek-V3).
+        normalize_top_k: rescale the chosen experts' scores to sum to 1 (Mixtral: always; Qwen3-MoE:
+            ``norm_topk_prob``; DeepSeek-V3: yes).
+        aux_loss_coef: weight of the load-balancing loss α·Σᵢ fᵢ·Pᵢ (Switch Transformer), computed per
+            sequence and averaged over sequences (DeepSeek-V3's sequence-wise form: the same whatever the
+            micro-batching or data-parallel split); 0 turns it off.
+        z_loss_coef: weight of the router z-loss, the mean squared log-sum-exp of the router logits (ST-MoE);
+            0 turns it off.
+        bias_update_rate: auxiliary-loss-free balancing (DeepSeek-V3): each expert has a bias added to its score
+            for choosing experts only, moved by this much after every optimizer step, up for experts that got
+            fewer tokens than the mean in that step, down for those that got more; 0 turns it off.
+    """
+
+    num_experts: int
+    top_k: int = 2
+    expert_hidden: int | None = None
+    shared_experts: int = 0
+    score: RouterScore = "softmax"
+    normalize_top_k: bool = True
+    aux_loss_coef: float = 0.01
+    z_loss_coef: float = 0.0
+    bias_update_rate: float = 0.0
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.num_experts < 1:
+            problems.append(f"num_experts={self.num_experts} must be >= 1")
+        if not 1 <= self.top_k <= max(self.num_experts, 1):
+            problems.append(f"top_k={self.top_k} must be between 1 and num_experts={self.num_experts}")
+        if self.expert_hidden is not None and self.expert_hidden < 1:
+            problems.append(f"expert_hidden={self.expert_hidden} must be >= 1 (or None for ffn_dim)")
+        if self.shared_experts < 0:
+            problems.append(f"shared_experts={self.shared_experts} must be >= 0")
+        if self.score not in ("softmax", "sigmoid"):
+            problems.append(f"score={self.score!r} must be 'softmax' or 'sigmoid'")
+        for name in ("aux_loss_coef", "z_loss_coef", "bias_update_rate"):
+            if getattr(self, name) < 0:
+                problems.append(f"{name}={getattr(self, name)} must be >= 0")
+        if problems:
+            raise ValueError("invalid MoEConfig: " + "; ".join(problems))
+
+
 @dataclass
 class GPTConfig:
     """Architecture of a decoder-only transformer.
@@ -95,6 +152,8 @@ class GPTConfig:
         qk_norm: normalise each query and key head over its ``head_dim`` features (a norm of kind ``norm``
             with one weight of ``head_dim`` shared by all heads) before the rotary embedding (Qwen3).
         pad_vocab_to_multiple_of: embedding rows are padded to a multiple of this (128 covers tp up to 128).
+        moe: a mixture of experts in place of every block's MLP (``MoEConfig``; a dict of its fields is accepted
+            too, as a saved config holds it); None = dense MLPs.
         kernels: force kernel backends, e.g. {"attention": "sdpa", "rms_norm": "triton"}; empty = fastest
             available (see ``megascale.core.kernels``).
     """
@@ -123,6 +182,7 @@ class GPTConfig:
     qkv_bias: bool = False
     qk_norm: bool = False
     pad_vocab_to_multiple_of: int = 128
+    moe: MoEConfig | None = None
     kernels: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -142,6 +202,8 @@ class GPTConfig:
             raise ValueError("invalid GPTConfig: " + "; ".join(problems))
         if isinstance(self.rope_scaling, Mapping):  # a saved config (to_dict) holds it as a dict
             self.rope_scaling = _rope_scaling_from_dict(self.rope_scaling)
+        if isinstance(self.moe, Mapping):
+            self.moe = _from_dict(MoEConfig, "moe", self.moe)
         if self.head_size is not None:
             if self.head_size < 2 or self.head_size % 2:
                 problems.append(f"head_size={self.head_size} must be even (rotary embeddings) and >= 2")
@@ -205,6 +267,13 @@ class GPTConfig:
         return self.ffn_multiple_of * math.ceil(hidden / self.ffn_multiple_of)
 
     @property
+    def expert_dim(self) -> int:
+        """Width of one expert's MLP (``moe.expert_hidden``, default ``ffn_dim``); ``ffn_dim`` without MoE."""
+        if self.moe is None or self.moe.expert_hidden is None:
+            return self.ffn_dim
+        return self.moe.expert_hidden
+
+    @property
     def padded_vocab_size(self) -> int:
         m = self.pad_vocab_to_multiple_of
         return m * math.ceil(self.vocab_size / m)
@@ -248,16 +317,29 @@ class GPTConfig:
 
 
 def _rope_scaling_from_dict(d: Mapping) -> RopeScaling:
-    known = {f.name for f in fields(RopeScaling)}
+    return _from_dict(RopeScaling, "rope_scaling", d)
+
+
+def _from_dict(cls: type, field_name: str, d: Mapping):  # type: ignore[no-untyped-def]
+    known = {f.name for f in fields(cls)}
     unknown = set(d) - known
     if unknown:
         raise ValueError(
-            f"invalid GPTConfig: rope_scaling has unknown keys {sorted(unknown)}; known: {sorted(known)}"
+            f"invalid GPTConfig: {field_name} has unknown keys {sorted(unknown)}; known: {sorted(known)}"
         )
-    return RopeScaling(**d)
+    return cls(**d)
 
 
-_KERNEL_NAMES = {"attention", "rms_norm", "layer_norm", "bias_gelu", "swiglu", "rope", "cross_entropy"}
+_KERNEL_NAMES = {
+    "attention",
+    "rms_norm",
+    "layer_norm",
+    "bias_gelu",
+    "swiglu",
+    "rope",
+    "cross_entropy",
+    "grouped_mm",
+}
 
 
 def _divisors(n: int) -> list[int]:

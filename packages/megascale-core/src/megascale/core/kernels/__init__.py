@@ -7,6 +7,7 @@ choice is made and logged, and ``python -m megascale.core.kernels`` for what run
 from megascale.core.kernels.attention import attention
 from megascale.core.kernels.bias_gelu import bias_gelu
 from megascale.core.kernels.cross_entropy import cross_entropy
+from megascale.core.kernels.grouped_mm import grouped_mm
 from megascale.core.kernels.layer_norm import layer_norm
 from megascale.core.kernels.registry import (
     Kernel,
@@ -29,6 +30,7 @@ __all__ = [
     "cross_entropy",
     "describe",
     "get_kernel",
+    "grouped_mm",
     "kernels",
     "layer_norm",
     "reset",

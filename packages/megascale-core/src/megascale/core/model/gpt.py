@@ -21,6 +21,7 @@ from megascale.core.config import GPTConfig
 from megascale.core.model.block import make_block
 from megascale.core.model.layers import PipelineLayers
 from megascale.core.model.linear import FanInLinear, FanOutLinear
+from megascale.core.model.moe import GroupedExperts, reset_router_buffers, take_balancing_losses
 from megascale.core.model.norm import LayerNorm, RMSNorm, make_norm
 from megascale.core.model.rope import RotaryEmbedding
 
@@ -138,6 +139,9 @@ class GPT(nn.Module):
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (B, T, vocab) of ``tokens`` (B, T), or the mean loss against ``targets``.
 
+        With a mixture of experts, the loss includes the routers' balancing losses of this forward (when
+        training; ``MoEConfig.aux_loss_coef``, ``z_loss_coef``).
+
         A model holding only some layers (a pipeline rank) computes its slice: hidden states in and/or out.
         """
         if tokens.shape[1] > self.config.max_seq_len:
@@ -150,7 +154,11 @@ class GPT(nn.Module):
         if self.head is None:
             return x
         logits = self.head(x)
-        return logits if targets is None else self.loss_fn(logits, targets)
+        if targets is None:
+            return logits
+        loss = self.loss_fn(logits, targets)
+        balancing = take_balancing_losses(self) if self.config.moe is not None else None
+        return loss if balancing is None else loss + balancing
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:
@@ -188,19 +196,28 @@ class GPT(nn.Module):
                 elif name.endswith("bias"):
                     _fill_(param, 0.0)
                 else:
-                    scaled = isinstance(self.get_submodule(prefix.rpartition(".")[0]), FanInLinear)
+                    parent = self.get_submodule(prefix.rpartition(".")[0])
+                    scaled = isinstance(parent, FanInLinear) or (
+                        isinstance(module, GroupedExperts) and name.endswith("down")
+                    )
                     _normal_(param, std * (out_scale if scaled else 1.0), name, seed)
         self.rope.reset_parameters()
+        reset_router_buffers(self)
 
-    def num_parameters(self, exclude_embedding: bool = False) -> int:
-        """Parameters counted once (tied weights once); sharded parameters at their full size."""
+    def num_parameters(self, exclude_embedding: bool = False, active: bool = False) -> int:
+        """Parameters counted once (tied weights once); sharded parameters at their full size. ``active``:
+        with a mixture of experts, only those one token uses (top_k of each layer's routed experts)."""
         seen: set[int] = set()
         total = 0
-        for p in self.parameters():
-            if id(p) in seen or (exclude_embedding and self.embed is not None and p is self.embed.weight):
-                continue
-            seen.add(id(p))
-            total += p.numel()
+        for module in self.modules():
+            for p in module.parameters(recurse=False):
+                if id(p) in seen or (exclude_embedding and self.embed is not None and p is self.embed.weight):
+                    continue
+                seen.add(id(p))
+                n = p.numel()
+                if active and isinstance(module, GroupedExperts) and self.config.moe is not None:
+                    n = n * self.config.moe.top_k // self.config.moe.num_experts
+                total += n
         return total
 
 
@@ -232,12 +249,19 @@ def flops_per_token(config: GPTConfig, seq_len: int) -> float:
 
     N excludes the embedding lookup (no matmul) but includes the output projection; attention adds
     12·layers·(n_heads·head_dim)·(keys attended), counting a sliding window's keys only (PaLM appendix B);
-    n_heads·head_dim is d_model unless ``head_size`` sets another head width.
+    n_heads·head_dim is d_model unless ``head_size`` sets another head width. With a mixture of experts N
+    counts the active parameters: the router, top_k routed experts and the shared ones (MFU on active
+    parameters, as Megatron and DeepSeek report it).
     """
     d, L = config.d_model, config.n_layers
     q, kv = config.n_heads * config.head_dim, config.kv_heads * config.head_dim
     per_block = d * (q + 2 * kv) + q * d  # q, k, v, o
-    per_block += (3 if config.activation == "swiglu" else 2) * d * config.ffn_dim
+    projections = 3 if config.activation == "swiglu" else 2
+    if config.moe is None:
+        per_block += projections * d * config.ffn_dim
+    else:
+        experts = config.moe.top_k + config.moe.shared_experts
+        per_block += projections * d * config.expert_dim * experts + d * config.moe.num_experts
     matmul_params = L * per_block + d * config.padded_vocab_size
     keys = 0.0
     for layer in range(L):

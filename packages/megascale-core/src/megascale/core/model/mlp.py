@@ -12,10 +12,11 @@ from megascale.core.model.linear import FanInLinear, FanOutLinear
 __all__ = ["MLP", "MLPActivation", "mlp_features"]
 
 
-def mlp_features(config: GPTConfig) -> dict[str, int]:
+def mlp_features(config: GPTConfig, hidden: int | None = None) -> dict[str, int]:
+    width = config.ffn_dim if hidden is None else hidden
     if config.activation == "swiglu":
-        return {"gate": config.ffn_dim, "up": config.ffn_dim}
-    return {"up": config.ffn_dim}
+        return {"gate": width, "up": width}
+    return {"up": width}
 
 
 class MLPActivation(nn.Module):
@@ -46,13 +47,14 @@ def fused_bias_names(config: GPTConfig) -> tuple[str, ...]:
 
 
 class MLP(nn.Module):
-    def __init__(self, config: GPTConfig) -> None:
+    """``hidden``: its width (default ``config.ffn_dim``; a mixture of experts' shared experts set theirs)."""
+
+    def __init__(self, config: GPTConfig, hidden: int | None = None) -> None:
         super().__init__()
-        self.in_proj = FanOutLinear(
-            config.d_model, mlp_features(config), config.bias, fused_bias_names(config)
-        )
+        features = mlp_features(config, hidden)
+        self.in_proj = FanOutLinear(config.d_model, features, config.bias, fused_bias_names(config))
         self.act = MLPActivation(config)
-        self.out_proj = FanInLinear({"down": config.ffn_dim}, config.d_model, bias=config.bias)
+        self.out_proj = FanInLinear({"down": features["up"]}, config.d_model, bias=config.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.out_proj(self.act(self.in_proj, *self.in_proj(x)))

@@ -1,0 +1,262 @@
+"""Mixture of experts: a router sends each token to its top-k experts, whose MLPs run as grouped GEMMs.
+
+    scores = softmax(x Wᵣᵀ)  (or sigmoid)            one per expert
+    chosen = top-k of scores (+ a balancing bias)     the bias steers the choice only, never the weights
+    y      = Σ_{e ∈ chosen} wₑ · MLPₑ(x)  (+ shared MLP(x))
+
+Dropless: every expert takes however many tokens chose it; the tokens are sorted by expert so that each
+expert's rows are consecutive and one grouped matmul (``kernels.grouped_mm``) computes every expert at once.
+Under expert parallelism a dispatcher (``megascale.core.parallel.ep``) moves the sorted rows to the ranks that
+hold their experts and the outputs back; the rest of this module is the same in every layout.
+
+Load balancing, both optional and both layout independent:
+- the auxiliary loss α·Σᵢ fᵢ·Pᵢ per sequence (fᵢ: the fraction of the sequence's choices that went to expert
+  i, times the number of experts; Pᵢ: its mean normalised score), averaged over sequences, and the router
+  z-loss; the GPT adds them to the loss it returns (``GPT.forward(tokens, targets)``);
+- auxiliary-loss-free balancing (DeepSeek-V3): the bias above, moved after each optimizer step by
+  ``update_expert_biases`` from the tokens each expert got in that step, counted over every data-parallel rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from megascale.core import kernels
+from megascale.core._dtensor import local
+from megascale.core.config import GPTConfig, MoEConfig
+from megascale.core.model.mlp import MLP
+
+__all__ = [
+    "GroupedExperts",
+    "MoE",
+    "Router",
+    "Routing",
+    "expert_load",
+    "moe_layers",
+    "update_expert_biases",
+]
+
+
+@dataclass
+class Routing:
+    """Where each of N tokens goes: ``experts`` (N, k) and their ``weights`` (N, k); the router's fp32
+    ``scores`` (N, E) and ``logits`` (N, E), from which the balancing losses are computed."""
+
+    experts: torch.Tensor
+    weights: torch.Tensor
+    scores: torch.Tensor
+    logits: torch.Tensor
+
+
+def _in_backward() -> bool:
+    """True while autograd's engine runs this thread's code: a forward recomputed by activation checkpointing,
+    which must not count its tokens or leave losses a second time."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
+
+
+class Router(nn.Module):
+    """Scores each token against every expert and picks its top-k (see the module docstring).
+
+    Buffers: ``expert_bias`` (only with ``bias_update_rate`` > 0; saved with the model, so a resumed run
+    chooses as the uninterrupted one) and ``tokens_per_expert``, the tokens each expert was sent by this rank's
+    training forwards since the last ``update_expert_biases`` (or ``expert_load(reset=True)``).
+    """
+
+    expert_bias: torch.Tensor | None
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        assert config.moe is not None
+        self.moe: MoEConfig = config.moe
+        self.weight = nn.Parameter(torch.empty(self.moe.num_experts, config.d_model))
+        bias = torch.zeros(self.moe.num_experts) if self.moe.bias_update_rate > 0 else None
+        self.register_buffer("expert_bias", bias)
+        self.register_buffer("tokens_per_expert", torch.zeros(self.moe.num_experts), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        """Route tokens ``x`` (N, d_model)."""
+        logits = F.linear(x, self.weight).float()
+        scores = logits.softmax(-1) if self.moe.score == "softmax" else logits.sigmoid()
+        choice = scores if self.expert_bias is None else scores + self.expert_bias
+        experts = choice.topk(self.moe.top_k, dim=-1).indices
+        weights = scores.gather(-1, experts)
+        if self.moe.normalize_top_k:
+            weights = weights / weights.sum(-1, keepdim=True)
+        if self.training and not _in_backward():
+            with torch.no_grad():
+                self.tokens_per_expert += torch.bincount(experts.flatten(), minlength=self.moe.num_experts)
+        return Routing(experts=experts, weights=weights.to(x.dtype), scores=scores, logits=logits)
+
+    def balancing_loss(self, routing: Routing, batch: int, seq: int) -> torch.Tensor | None:
+        """α·(mean over sequences of Σᵢ fᵢ·Pᵢ) + β·mean(logsumexp(logits)²), or None when both are off."""
+        moe, E, k = self.moe, self.moe.num_experts, self.moe.top_k
+        loss = None
+        if moe.aux_loss_coef > 0:
+            probs = (
+                routing.scores if moe.score == "softmax" else routing.scores / routing.scores.sum(-1, True)
+            )
+            chosen = F.one_hot(routing.experts, E).sum(1).float().view(batch, seq, E)  # (B, T, E) 0/1
+            f = chosen.sum(1) * (E / (k * seq))  # (B, E): 1 for every expert when perfectly balanced
+            p = probs.view(batch, seq, E).mean(1)  # (B, E)
+            loss = moe.aux_loss_coef * (f * p).sum(-1).mean()
+        if moe.z_loss_coef > 0:
+            z = moe.z_loss_coef * routing.logits.logsumexp(-1).square().mean()
+            loss = z if loss is None else loss + z
+        return loss
+
+    def extra_repr(self) -> str:
+        return f"experts={self.moe.num_experts}, top_k={self.moe.top_k}, score={self.moe.score}"
+
+
+class GroupedExperts(nn.Module):
+    """Every expert's MLP, its weights stacked (experts, out, in): ``gate``/``up``/``down`` for SwiGLU,
+    ``up``/``down`` for GeLU. ``forward(rows, counts)`` runs rows sorted by expert, ``counts[e]`` of them for
+    expert e. Under expert parallelism the stacks are DTensors split over the "ep" ranks (first dimension);
+    this rank computes its own experts with their local part."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        assert config.moe is not None
+        E, d, f = config.moe.num_experts, config.d_model, config.expert_dim
+        self.activation = config.activation
+        names = ("gate", "up") if config.activation == "swiglu" else ("up",)
+        for name in names:
+            self.register_parameter(name, nn.Parameter(torch.empty(E, f, d)))
+        self.down = nn.Parameter(torch.empty(E, d, f))
+        self.mm_backend = config.kernels.get("grouped_mm")
+        self.act_backend = config.kernels.get("swiglu" if config.activation == "swiglu" else "bias_gelu")
+
+    def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        def mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+            return kernels.grouped_mm(x, local(weight), counts, backend=self.mm_backend)
+
+        up = mm(rows, self.up)
+        if self.activation == "swiglu":
+            hidden = kernels.swiglu(mm(rows, self.gate), up, backend=self.act_backend)
+        else:
+            hidden = kernels.bias_gelu(up, None, backend=self.act_backend)
+        return mm(hidden, self.down)
+
+    def extra_repr(self) -> str:
+        E, f, d = self.up.shape
+        return f"experts={E}, in={d}, hidden={f}, activation={self.activation}"
+
+
+class Dispatcher(Protocol):
+    """Moves rows sorted by expert to the experts' ranks, runs them there and brings the outputs back in the
+    same order (``megascale.core.parallel.ep``)."""
+
+    def __call__(self, rows: torch.Tensor, counts: torch.Tensor, experts: GroupedExperts) -> torch.Tensor: ...
+
+
+class MoE(nn.Module):
+    """The mixture-of-experts feed-forward: ``forward(x)`` maps (B, T, d_model) to (B, T, d_model).
+
+    The balancing loss of the last training forward is left in ``pending_loss`` for the GPT holding this
+    layer to add to its loss (``GPT.forward`` takes it); ``dispatcher`` is set by expert parallelism."""
+
+    dispatcher: Dispatcher | None = None
+    pending_loss: torch.Tensor | None = None
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        assert config.moe is not None
+        self.router = Router(config)
+        self.experts = GroupedExperts(config)
+        shared = config.moe.shared_experts
+        self.shared = MLP(config, hidden=shared * config.expert_dim) if shared else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, d = x.shape
+        flat = x.reshape(-1, d)
+        routing = self.router(flat)
+        if self.training and torch.is_grad_enabled():
+            # computed again when activation checkpointing recomputes this forward (which must save the same
+            # tensors as the first one), but left for the GPT only once
+            loss = self.router.balancing_loss(routing, batch, seq)
+            if not _in_backward():
+                self.pending_loss = loss
+        n, k = routing.experts.shape
+        chosen = routing.experts.flatten()
+        order = chosen.argsort(stable=True)  # each expert's rows consecutive, tokens in order within it
+        counts = torch.bincount(chosen, minlength=self.router.moe.num_experts)
+        rows = flat.index_select(0, order // k)
+        if self.dispatcher is None:
+            out = self.experts(rows, counts)
+        else:
+            out = self.dispatcher(rows, counts, self.experts)
+        # back to (token, choice) order and summed with the routing weights: no scatter-add, so the sum is
+        # deterministic and the same in every layout
+        out = out.index_select(0, order.argsort()).view(n, k, d)
+        y = torch.einsum("nkd,nk->nd", out, routing.weights)
+        if self.shared is not None:
+            y = y + self.shared(flat)
+        return y.view(batch, seq, d)
+
+
+def moe_layers(model: nn.Module) -> list[MoE]:
+    """The MoE layers under ``model`` (this rank's: a pipeline stage holds only its blocks')."""
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def take_balancing_losses(model: nn.Module) -> torch.Tensor | None:
+    """The sum of the balancing losses the MoE layers under ``model`` left in their last training forward
+    (each taken once), or None."""
+    total = None
+    for layer in moe_layers(model):
+        loss, layer.pending_loss = layer.pending_loss, None
+        if loss is not None:
+            total = loss if total is None else total + loss
+    return total
+
+
+@torch.no_grad()
+def expert_load(
+    model: nn.Module, group: dist.ProcessGroup | None = None, *, reset: bool = False
+) -> torch.Tensor | None:
+    """Tokens each expert of each MoE layer was sent since the last reset, (layers, experts), summed over
+    ``group`` (the data-parallel ranks: every rank then holds the whole step's counts); None without MoE.
+    Collective over ``group`` when given: every rank of it calls it."""
+    routers = [layer.router for layer in moe_layers(model)]
+    if not routers:
+        return None
+    counts = torch.stack([r.tokens_per_expert for r in routers])
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(counts, group=group)
+    if reset:
+        for r in routers:
+            r.tokens_per_expert.zero_()
+    return counts
+
+
+@torch.no_grad()
+def update_expert_biases(model: nn.Module, group: dist.ProcessGroup | None = None) -> torch.Tensor | None:
+    """Auxiliary-loss-free balancing (DeepSeek-V3), once per optimizer step, after it: each router with
+    ``bias_update_rate`` > 0 raises the bias of the experts that got fewer tokens than the mean since the last
+    call and lowers the others', by that rate; the counts start again. ``group``: the data-parallel ranks
+    (their counts are summed, so every replica moves its biases alike). Returns the step's counts
+    (``expert_load``), for logging. Collective over ``group``: every rank calls it."""
+    routers = [layer.router for layer in moe_layers(model)]
+    counts = expert_load(model, group, reset=True)
+    if counts is None:
+        return None
+    for router, load in zip(routers, counts, strict=True):
+        if router.expert_bias is not None:
+            step = router.moe.bias_update_rate * torch.sign(load.mean() - load)
+            local(router.expert_bias).add_(step.to(router.expert_bias.dtype))
+    return counts
+
+
+def reset_router_buffers(model: nn.Module) -> None:
+    """Zero every router's bias and counts (``GPT.init_weights``: on the meta device they were never set)."""
+    for layer in moe_layers(model):
+        if layer.router.expert_bias is not None:
+            local(layer.router.expert_bias).zero_()
+        local(layer.router.tokens_per_expert).zero_()
