@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from megascale.core import GPTConfig
-from megascale.core.config import RopeScaling
+from megascale.core.config import MoEConfig, RopeScaling
 from megascale.core.hf import MODEL_TYPES, gpt_config_from_hf, hf_config_from_gpt
 
 BASE = dict(
@@ -117,6 +117,14 @@ def test_export_then_import_gives_the_same_config(model_type):
         "qwen2": dict(qkv_bias=True, sliding_window=8, full_attention_every=2),
         "qwen3": dict(qk_norm=True, head_size=16, tie_embeddings=True),
         "mistral": dict(sliding_window=8, n_kv_heads=1),
+        "mixtral": dict(sliding_window=8, rope_theta=1e6, moe=MoEConfig(8, 2, expert_hidden=48)),
+        "qwen3_moe": dict(
+            qk_norm=True,
+            head_size=16,
+            bias=True,
+            sliding_window=8,
+            moe=MoEConfig(8, 4, expert_hidden=24, normalize_top_k=False, aux_loss_coef=0.001),
+        ),
     }[model_type]
     config = GPTConfig(vocab_size=100, d_model=32, n_layers=4, n_heads=4, ffn_hidden=48, max_seq_len=64,
                        parallel_block=False, norm_eps=1e-6, **options)  # fmt: skip

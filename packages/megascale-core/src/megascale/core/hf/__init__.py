@@ -6,7 +6,7 @@ save_hf(model, None, "out/", token_ids={"eos_token_id": 2})   # GPT → a direct
 load_hf_weights_(split_model, "path/to/Llama-3.2-1B")   # a tp/pp-split GPT: each rank reads its slices
 
 Model types: llama (Llama 2/3, 3.1/3.2 rope scaling), qwen2 (q/k/v biases), qwen3 (q/k norms, head_dim),
-mistral (sliding window). Needs the ``hf`` extra: ``pip install 'megascale-core[hf]'``.
+mistral (sliding window), and the mixtures of experts mixtral and qwen3_moe (``GPTConfig.moe``). Needs the ``hf`` extra: ``pip install 'megascale-core[hf]'``.
 """
 
 from megascale.core.hf.config import (

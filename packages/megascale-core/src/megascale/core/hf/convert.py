@@ -20,6 +20,7 @@ from megascale.core.hf.metadata import (
 )
 from megascale.core.hf.weights import from_hf_tensors, to_hf_tensors
 from megascale.core.model.gpt import GPT
+from megascale.core.model.moe import moe_layers
 
 __all__ = ["gpt_from_hf", "load_hf_state_dict", "save_hf"]
 
@@ -73,6 +74,9 @@ def gpt_from_hf(
     model.load_state_dict({k: v.to(device) for k, v in state.items()}, assign=True, strict=True)
     model.rope.to_empty(device=device)
     model.rope.reset_parameters()
+    for layer in moe_layers(model):  # the routers' token counts (not saved) are still on the meta device
+        router = layer.router
+        router.tokens_per_expert = torch.zeros_like(router.tokens_per_expert, device=device)
     return model
 
 
@@ -93,7 +97,8 @@ def save_hf(
     Args:
         model_or_state_dict: a GPT on one process, or its state dict (megascale names).
         config: the GPTConfig; None takes a GPT's own.
-        model_type: llama, qwen2, qwen3 or mistral; must express the architecture (``hf_config_from_gpt``).
+        model_type: llama, qwen2, qwen3, mistral, mixtral or qwen3_moe; must express the architecture
+            (``hf_config_from_gpt``).
             None: the family the architecture implies (``infer_model_type``).
         max_shard_size: bytes per safetensors file (int, or "5GB", "500MB"...); past it the tensors are
             sharded with an index.

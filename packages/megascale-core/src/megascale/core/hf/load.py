@@ -12,6 +12,11 @@ the weights, plus the parts every tensor-parallel rank keeps whole (norm weights
 its own shards; loading on every rank the whole state dict and then splitting it needs the whole model's
 memory on each (``benchmarks/hf_load.py``).
 
+Mixtures of experts: a stack of experts (``experts.gate``/``up``/``down``, (experts, out, in)) is filled
+expert by expert from the checkpoint's per-expert tensors, each rank reading only the experts of its box (a
+stack sharded on its first dimension over expert-parallel ranks reads its own experts), and of those only
+its box of the other dimensions.
+
 No collective is used: every rank reads its own part from the shared files. Names and layouts map as
 ``weights.py`` says (tensors move unchanged); the rows of the padded vocabulary beyond ``vocab_size`` are
 zeroed. The whole checkpoint is checked against ``model.config`` from the headers and config.json before
@@ -34,6 +39,7 @@ from megascale.core.hf.config import config_conflicts, gpt_config_from_hf
 from megascale.core.hf.io import HFCheckpoint
 from megascale.core.hf.weights import TensorMapping, check_hf_tensors
 from megascale.core.model.gpt import GPT
+from megascale.core.model.moe import reset_router_buffers
 
 __all__ = ["LoadReport", "load_hf_weights_", "local_box"]
 
@@ -101,7 +107,10 @@ def load_hf_weights_(model: GPT, path: str | Path) -> LoadReport:
                 f"the GPT's config differs from {checkpoint.path / 'config.json'} in what the network computes: "
                 + "; ".join(conflicts)
             )
-        by_name = {m.megascale: m for m in check_hf_tensors(config, checkpoint.keys(), checkpoint.shape)}
+        mapping = check_hf_tensors(config, checkpoint.keys(), checkpoint.shape)
+        by_name: dict[str, list[TensorMapping]] = {}  # one mapping, or a stack's one per expert
+        for m in mapping:
+            by_name.setdefault(m.megascale, []).append(m)
         tensors = 0
         for name, param in model.named_parameters():  # a tied embedding once
             if name not in by_name:
@@ -113,10 +122,15 @@ def load_hf_weights_(model: GPT, path: str | Path) -> LoadReport:
                     f"parameter {name} is on the meta device: materialise the model first (to_empty), or let "
                     "init_weights() load it (GPT.pretrained)"
                 )
-            _fill(local(param), *local_box(param), by_name[name], checkpoint, config.vocab_size)
+            mappings = by_name[name]
+            if mappings[0].expert is None:
+                _fill(local(param), *local_box(param), mappings[0], checkpoint, config.vocab_size)
+            else:
+                _fill_experts(local(param), *local_box(param), mappings, checkpoint)
             tensors += 1
         model.rope.reset_parameters()
-        total = sum(checkpoint.nbytes(m.hf) for m in by_name.values())
+        reset_router_buffers(model)  # balancing biases and token counts start at zero, as init_weights sets
+        total = sum(checkpoint.nbytes(m.hf) for m in mapping)
         return LoadReport(tensors=tensors, bytes_read=checkpoint.bytes_read, bytes_in_checkpoint=total)
 
 
@@ -146,3 +160,24 @@ def _fill(
         rows = stored
     values = checkpoint.read(mapping.hf, tuple(index))
     target[:rows].copy_(values)
+
+
+def _fill_experts(
+    target: torch.Tensor,
+    shape: tuple[int, ...],
+    offset: tuple[int, ...],
+    mappings: list[TensorMapping],
+    checkpoint: HFCheckpoint,
+) -> None:
+    """Fill the box (``offset``, ``shape``) of a stack of experts (first dimension: the expert) into
+    ``target`` from the per-expert tensors of ``mappings``, reading only the experts inside the box."""
+    if tuple(target.shape) != shape:
+        raise ValueError(
+            f"{mappings[0].megascale}: the local tensor has shape {list(target.shape)}, its placements imply "
+            f"{list(shape)}"
+        )
+    index = tuple(slice(start, start + size) for start, size in zip(offset[1:], shape[1:], strict=True))
+    for m in mappings:
+        assert m.expert is not None
+        if offset[0] <= m.expert < offset[0] + shape[0]:
+            target[m.expert - offset[0]].copy_(checkpoint.read(m.hf, index))

@@ -10,7 +10,7 @@ defaults (Llama: bos 1, eos 2; Qwen2: none), so ``generate`` stops at the wrong 
   ``model.pretrained`` finds them there);
 - ``infer_model_type(config)`` gives the family when the architecture says it (q/k norms: qwen3; biases on
   q, k, v alone: qwen2; windows on every layer: mistral; none of these: llama, which is also what mistral
-  computes without a window);
+  computes without a window; with a mixture of experts: qwen3_moe with q/k norms, mixtral without);
 - ``generation_config(...)`` is the ``generation_config.json`` written next to an export.
 """
 

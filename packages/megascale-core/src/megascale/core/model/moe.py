@@ -19,6 +19,8 @@ Load balancing, both optional and both layout independent:
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -252,6 +254,20 @@ def update_expert_biases(model: nn.Module, group: dist.ProcessGroup | None = Non
             step = router.moe.bias_update_rate * torch.sign(load.mean() - load)
             local(router.expert_bias).add_(step.to(router.expert_bias.dtype))
     return counts
+
+
+@contextmanager
+def routing_statistics_untouched(model: nn.Module) -> Iterator[None]:
+    """Forwards inside count no tokens and leave no balancing loss: a forward that is not a training step's,
+    such as the one torch's pipeline stages run once to infer their shapes."""
+    layers = moe_layers(model)
+    saved = [(layer.router.tokens_per_expert.clone(), layer.pending_loss) for layer in layers]
+    try:
+        yield
+    finally:
+        for layer, (counts, loss) in zip(layers, saved, strict=True):
+            layer.router.tokens_per_expert.copy_(counts)
+            layer.pending_loss = loss
 
 
 def reset_router_buffers(model: nn.Module) -> None:

@@ -10,6 +10,9 @@ not. ``mesh`` is the ("dp", "pp", "cp", "tp") DeviceMesh of ``ParallelDims.build
    ``apply_tensor_parallel_plan``; parameters the module split itself (DTensors on "tp") are kept;
 1b. context parallelism on "cp": every megascale GPT's attention cores exchange keys/values and its loss
    becomes the whole sequence's mean (``cp.apply_context_parallel``); another model with cp > 1 is refused;
+1c. expert parallelism on "dp" seen as ("edp", "ep"): every megascale GPT's MoE layers keep 1/ep of their
+   experts and move tokens by all-to-all (``ep.apply_expert_parallel``); the experts' gradients are averaged
+   over "edp" beside the dense parameters' ZeRO (``ep.ExpertReplicas``, ZeRO-0 only so far);
 2. pipeline split on "pp": the one model offering ``pipeline_layers()``/``pipeline_loss()`` keeps this
    rank's stages — still on the meta device, so no rank materialises the whole model;
 3. materialisation of meta tensors (``materialize``: each module's own init, the same values in any layout;
@@ -56,7 +59,7 @@ from megascale.core.parallel.mesh import MESH_DIMS, ParallelDims
 from megascale.core.parallel.plan import ParallelPlan
 from megascale.core.parallel.rng import ModelParallelRNG
 from megascale.core.parallel.wait_timer import WaitTimed, WaitTimer
-from megascale.core.parallel.zero import UnitTree, ZeroRuntime, apply_zero
+from megascale.core.parallel.zero import UnitTree, ZeroRuntime, apply_zero, average_gradients
 
 if TYPE_CHECKING:
     from megascale.core.parallel.pipeline import Pipeline, StageModule  # torch pipelining: imported when used
@@ -188,6 +191,10 @@ def parallelize(
         notes += tp_notes
     if dims.cp > 1:  # 1b.
         _apply_context_parallel(module, gpts, mesh["cp"])
+    experts: list[nn.Parameter] = []
+    edp_mesh: DeviceMesh | None = None
+    if plan.ep > 1:  # 1c.
+        experts, edp_mesh = _apply_expert_parallel(module, gpts, mesh, plan.ep)
     replicas = _replica_mesh(mesh, dims)
     stages: list[StageModule] = []
     pipelined: nn.Module | None = None
@@ -210,6 +217,10 @@ def parallelize(
             module, plan.activation_checkpointing, plan.checkpoint_modules, blocks, rng=rng
         )
     _broadcast_replicas(module, replicas)  # 5.
+    if edp_mesh is not None:
+        from megascale.core.parallel.ep.apply import broadcast_expert_replicas
+
+        broadcast_expert_replicas(experts, edp_mesh)
     if user_fsdp:
         zero = ZeroRuntime()
         notes.append(
@@ -226,8 +237,10 @@ def parallelize(
             trees, replicas, stage=plan.zero_stage, bucket_size_mb=plan.bucket_size_mb,
             overlap_grad_reduce=plan.overlap_grad_reduce, overlap_param_gather=plan.overlap_param_gather,
             param_dtype=param_dtype, accumulations=plan.microbatches if stages else 1, zero1_root=module,
-            zero1_sharding=plan.zero1_sharding,
+            zero1_sharding=plan.zero1_sharding, exclude=experts,
         )  # fmt: skip
+        if edp_mesh is not None:
+            zero = _expert_replicas(zero, experts, edp_mesh, plan, stages)
     tp_layers: list[WaitTimed] = []
     if dims.tp > 1:  # found after the pipeline split: only this rank's stages
         from megascale.core.parallel.tensor_parallel import tp_layers as find_tp_layers
@@ -448,6 +461,40 @@ def _apply_context_parallel(module: nn.Module, gpts: list[GPT], cp_mesh: DeviceM
         apply_context_parallel(gpt, cp_mesh)
     for _, m, plan in plans:
         apply_context_parallel_plan(m, plan, cp_mesh)
+
+
+# ---- 1c. expert parallelism ------------------------------------------------------------------------------
+
+
+def _apply_expert_parallel(
+    module: nn.Module, gpts: list[GPT], mesh: DeviceMesh, ep: int
+) -> tuple[list[nn.Parameter], DeviceMesh]:
+    from megascale.core.parallel.ep.apply import apply_expert_parallel, expert_mesh, expert_params
+
+    moe_gpts = [g for g in gpts if g.config.moe is not None]
+    if not moe_gpts:
+        raise ValueError(
+            f"ep={ep}: expert parallelism splits a megascale GPT's mixture of experts, and {type(module).__name__} "
+            "holds none (GPTConfig.moe); a model of your own cannot be split by experts yet; use ep=1"
+        )
+    emesh = expert_mesh(mesh, ep)
+    for gpt in moe_gpts:
+        apply_expert_parallel(gpt, emesh["ep"])
+    return [p for gpt in moe_gpts for p in expert_params(gpt)], emesh["edp"]
+
+
+def _expert_replicas(
+    dense: ZeroRuntime, experts: list[nn.Parameter], edp_mesh: DeviceMesh, plan: ParallelPlan, stages: list
+) -> ZeroRuntime:
+    from megascale.core.parallel.ep.apply import ExpertReplicas
+
+    if edp_mesh.size() == 1:
+        return ExpertReplicas(dense, None, experts, plan.ep, None)
+    held = average_gradients(
+        experts, edp_mesh, bucket_size_mb=plan.bucket_size_mb, overlap=plan.overlap_grad_reduce,
+        accumulations=plan.microbatches if stages else 1,
+    )  # fmt: skip
+    return ExpertReplicas(dense, held, experts, plan.ep, edp_mesh.get_group())
 
 
 def _replica_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:

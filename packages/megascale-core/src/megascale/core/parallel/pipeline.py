@@ -346,11 +346,14 @@ class _LeanStage(PipelineStage):
 
     # torch infers the stages' shapes by running a real forward (and backward) of the first microbatch, once
     # per process: its dropout must not draw from the run's random streams, or a run restarted from a
-    # checkpoint (which infers again, mid-run) would draw other masks than the uninterrupted one.
+    # checkpoint (which infers again, mid-run) would draw other masks than the uninterrupted one; nor may its
+    # routers count that microbatch's tokens twice (loss-free balancing steers by the counts).
     def _prepare_forward_infra(
         self, num_microbatches: int, args: Any, kwargs: Any = None, has_backward: bool = False
     ) -> Any:
-        with self.pipeline.random_streams_untouched():
+        from megascale.core.model.moe import routing_statistics_untouched
+
+        with self.pipeline.random_streams_untouched(), routing_statistics_untouched(self.submod):
             out = super()._prepare_forward_infra(num_microbatches, args, kwargs, has_backward=has_backward)
         self._pools = {}  # (re)built: torch has just allocated one buffer per microbatch again
         if has_backward and self.pool_receives and not self.is_first:

@@ -36,6 +36,8 @@ class ParallelPlan:
         pp: pipeline-parallel size (ranks each holding a run of layers).
         cp: context-parallel size (ranks each holding two chunks of every sequence, ``parallel/cp``); the
             data-parallel gradient reduction and ZeRO span dp × cp ranks.
+        ep: expert-parallel size: a mixture of experts' experts split over ``ep`` of the data-parallel ranks,
+            tokens moved to them by all-to-all (``parallel/ep``); must divide dp.
         zero_stage: 0 replicate everything (DDP-like); 1 shard optimizer state; 2 also gradients;
             3 also parameters (refused with pp > 1: it would gather every stage's parameters again for each
             microbatch).
@@ -65,6 +67,7 @@ class ParallelPlan:
     pp: int = 1
     zero_stage: int = 1
     cp: int = 1
+    ep: int = 1
     zero1_sharding: Literal["elements", "parameters"] = "elements"
     num_microbatches: int | None = None
     schedule: Literal["1f1b", "interleaved", "gpipe"] = "1f1b"
@@ -80,7 +83,7 @@ class ParallelPlan:
     checkpoint_modules: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "cp", "tp_comm_chunks", "virtual_stages"):
+        for name in ("tp", "pp", "cp", "ep", "tp_comm_chunks", "virtual_stages"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r}: must be a positive integer")
@@ -128,7 +131,14 @@ class ParallelPlan:
 
     def dims(self, world_size: int) -> ParallelDims:
         """dp × pp × cp × tp for ``world_size`` ranks; ValueError naming what fits otherwise."""
-        return ParallelDims.infer(world_size, tp=self.tp, pp=self.pp, cp=self.cp)
+        dims = ParallelDims.infer(world_size, tp=self.tp, pp=self.pp, cp=self.cp)
+        if dims.dp % self.ep:
+            raise ValueError(
+                f"ep={self.ep} must divide the data-parallel size dp={dims.dp} (world {world_size} / "
+                f"(tp·pp·cp) = {self.tp}·{self.pp}·{self.cp}): the expert-parallel ranks are data-parallel ranks; "
+                f"choose ep among {[n for n in range(1, dims.dp + 1) if dims.dp % n == 0]}"
+            )
+        return dims
 
     # ---- against a model ----------------------------------------------------------------------------------
 
@@ -173,6 +183,10 @@ class ParallelPlan:
     def check_gpt_config(self, config: GPTConfig) -> None:
         """Check this plan against a GPT's configuration (before the GPT exists)."""
         config.check_tensor_parallel(self.tp)
+        if config.moe is not None or self.ep > 1:
+            from megascale.core.parallel.ep.apply import check_expert_parallel
+
+            check_expert_parallel(config, self)
         if self.cp > 1:
             from megascale.core.parallel.cp.apply import check_context_parallel
 

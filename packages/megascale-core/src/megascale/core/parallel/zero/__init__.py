@@ -58,6 +58,7 @@ __all__ = [
     "UnitTree",
     "ZeroRuntime",
     "apply_zero",
+    "average_gradients",
 ]
 
 
@@ -359,6 +360,7 @@ def apply_zero(
     accumulations: int = 1,
     zero1_root: nn.Module | None = None,
     zero1_sharding: str = "elements",
+    exclude: Sequence[nn.Parameter] = (),
 ) -> ZeroRuntime:
     """Shard the parameters under ``trees`` over ``dp_mesh`` as ZeRO ``stage`` and return its hooks.
 
@@ -375,10 +377,15 @@ def apply_zero(
         zero1_sharding: stage 1: "elements" (reduce-scatter, each rank steps 1/dp of every bucket, all-gather:
             DDP's bytes; elementwise optimizers and LAMB) or "parameters" (whole parameters by owner,
             all-reduce + broadcast: 1.5x the bytes; any optimizer that skips parameters without gradients).
+        exclude: parameters under ``trees`` that are not replicas over ``dp_mesh`` (experts split over "ep",
+            averaged over their own replicas): stage 0 only.
     """
     if dp_mesh.size() == 1:
         return ZeroRuntime()
-    params = list(_unique_params(t.root for t in trees))
+    excluded = {id(p) for p in exclude}
+    if excluded and stage != 0:
+        raise ValueError(f"ZeRO-{stage} cannot leave parameters out (exclude): only stage 0 can")
+    params = [p for p in _unique_params(t.root for t in trees) if id(p) not in excluded]
     group = dp_mesh.get_group()
     if stage == 0:
         return _ReplicatedGradients(params, group, bucket_size_mb=bucket_size_mb, overlap=overlap_grad_reduce,
@@ -413,6 +420,18 @@ def apply_zero(
             )
         return _FullySharded(stage, sharded)
     raise ValueError(f"ZeRO stage {stage!r} must be 0, 1, 2 or 3")
+
+
+def average_gradients(
+    params: Sequence[nn.Parameter], dp_mesh: DeviceMesh, *, bucket_size_mb: float = 25.0, overlap: bool = True,
+    accumulations: int = 1,
+) -> ZeroRuntime:  # fmt: skip
+    """ZeRO-0 over ``params`` alone: their gradients averaged over ``dp_mesh`` in buckets, during backward
+    (``overlap``); for parameters replicated over another group than the model's (experts over "edp")."""
+    if dp_mesh.size() == 1:
+        return ZeroRuntime()
+    return _ReplicatedGradients(list(params), dp_mesh.get_group(), bucket_size_mb=bucket_size_mb,
+                                overlap=overlap, accumulations=accumulations)  # fmt: skip
 
 
 def _unique_params(roots: Iterator[nn.Module] | Sequence[nn.Module]) -> Iterator[nn.Parameter]:

@@ -1,0 +1,162 @@
+"""apply_expert_parallel: a megascale GPT whose MoE layers keep 1/ep of their experts on each "ep" rank.
+
+Each MoE layer's expert stacks (``GroupedExperts``: gate, up, down, experts first) become DTensors split over
+"ep" on their first dimension (Shard(0)), so initialisation, Hugging Face loading and checkpoints see whole
+tensors, each rank holding its experts' rows; the layer gets an ``AllToAllDispatcher``. The router, attention
+and everything else stay whole on every rank, each computing its own batch as under data parallelism.
+
+Gradients: a rank's experts receive the gradient of every ep rank's tokens (the all-to-all's backward), a sum
+over ep batches where a dense parameter has its own batch's; ``ExpertReplicas`` divides it by ep and averages it
+over "edp", the ranks holding the same experts, so that it is the mean over all dp batches like every other
+gradient (one process on the union batch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from megascale.core.model.gpt import GPT
+from megascale.core.model.moe import moe_layers
+from megascale.core.parallel.ep.dispatch import AllToAllDispatcher
+from megascale.core.parallel.zero import ZeroRuntime
+
+if TYPE_CHECKING:
+    from megascale.core.config import GPTConfig
+    from megascale.core.parallel.plan import ParallelPlan
+    from megascale.core.parallel.wait_timer import WaitTimer
+
+__all__ = ["ExpertReplicas", "apply_expert_parallel", "check_expert_parallel", "expert_mesh", "expert_params"]
+
+
+def check_expert_parallel(config: GPTConfig, plan: ParallelPlan) -> None:
+    """Raise ValueError for what a GPT of ``config`` cannot do under ``plan`` because of its mixture of experts
+    or of ``plan.ep``, naming what to change."""
+    moe = config.moe
+    if moe is None:
+        if plan.ep > 1:
+            raise ValueError(
+                f"ep={plan.ep}: expert parallelism splits a mixture of experts, and this GPT has none; set "
+                "GPTConfig.moe (MoEConfig) or use ep=1"
+            )
+        return
+    if moe.num_experts % plan.ep:
+        fits = [n for n in range(1, moe.num_experts + 1) if moe.num_experts % n == 0]
+        raise ValueError(
+            f"num_experts={moe.num_experts} cannot be split over ep={plan.ep} ranks: each needs the same number "
+            f"of experts; choose ep among {fits}"
+        )
+    if plan.tp > 1:
+        raise ValueError(
+            f"a mixture of experts with tp={plan.tp} is not supported yet (experts' own tensor parallelism "
+            "is not built); use tp=1 and ep to split the experts"
+        )
+    if plan.cp > 1:
+        raise ValueError(
+            f"a mixture of experts with cp={plan.cp} is not supported yet (the sequence-wise balancing loss "
+            "would need its counts summed over the cp ranks); use cp=1"
+        )
+    if plan.pp > 1 and (moe.aux_loss_coef > 0 or moe.z_loss_coef > 0):
+        raise ValueError(
+            f"a mixture of experts' balancing losses with pp={plan.pp} are not supported yet (a pipeline stage "
+            "does not return them to the loss); set aux_loss_coef=0 and z_loss_coef=0 (bias_update_rate "
+            "balances without a loss) or use pp=1"
+        )
+    if plan.ep > 1 and plan.zero_stage > 0:
+        raise ValueError(
+            f"ep={plan.ep} with zero_stage={plan.zero_stage} is not supported yet: experts are averaged over "
+            "their own replicas, which only ZeRO-0 does so far; use zero_stage=0"
+        )
+
+
+def expert_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
+    """``mesh`` (("dp", "pp", "cp", "tp")) with "dp" seen as ("edp", "ep"): consecutive dp ranks share their
+    experts' tokens, every ep-th one holds the same experts."""
+    dp = mesh["dp"].size()
+    if dp % ep:
+        raise ValueError(
+            f"ep={ep} must divide the data-parallel size dp={dp}: the expert-parallel ranks are data-parallel "
+            f"ranks; choose ep among {[n for n in range(1, dp + 1) if dp % n == 0]}"
+        )
+    return mesh._unflatten("dp", (dp // ep, ep), ("edp", "ep"))
+
+
+def apply_expert_parallel(gpt: GPT, ep_mesh: DeviceMesh) -> None:
+    """Split every MoE layer of ``gpt`` over ``ep_mesh`` (1-D, "ep"), in place; on the meta device too."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    layers = moe_layers(gpt)
+    if not layers:
+        raise ValueError(f"ep={ep_mesh.size()}: this GPT has no mixture of experts (GPTConfig.moe) to split")
+    for layer in layers:
+        experts = layer.experts
+        for name, param in list(experts.named_parameters(recurse=False)):
+            dt = distribute_tensor(param.detach(), ep_mesh, [Shard(0)])
+            setattr(experts, name, nn.Parameter(dt, requires_grad=param.requires_grad))
+        layer.dispatcher = AllToAllDispatcher(ep_mesh.get_group(), layer.router.moe.num_experts)
+
+
+def expert_params(module: nn.Module) -> list[nn.Parameter]:
+    """The expert stacks under ``module`` (split over "ep" once ``apply_expert_parallel`` ran)."""
+    return [p for layer in moe_layers(module) for p in layer.experts.parameters()]
+
+
+@torch.no_grad()
+def broadcast_expert_replicas(params: list[nn.Parameter], edp_mesh: DeviceMesh) -> None:
+    """Every rank holding the same experts starts from the first one's values (as dense replicas do)."""
+    from megascale.core._dtensor import local
+
+    if edp_mesh.size() == 1:
+        return
+    group = edp_mesh.get_group()
+    for p in params:
+        dist.broadcast(local(p), src=dist.get_global_rank(group, 0), group=group)
+
+
+class ExpertReplicas(ZeroRuntime):
+    """The dense parameters' ZeRO (``dense``) beside the experts' gradient averaging: each expert gradient
+    divided by ep (a hook, as it is accumulated) and, where several ranks hold the same experts, averaged over
+    them in buckets like ZeRO-0's (``experts``). Every hook of ``ZeroRuntime`` reaches both."""
+
+    checkpoint_partial = True  # ep ranks hold different experts
+
+    def __init__(self, dense: ZeroRuntime, experts: ZeroRuntime | None, params: list[nn.Parameter], ep: int,
+                 edp_group: dist.ProcessGroup | None) -> None:  # fmt: skip
+        self.dense, self.experts = dense, experts
+        self.stage = dense.stage
+        self.edp_group = edp_group
+        self._hooks = [p.register_hook(lambda g: g / ep) for p in params]
+
+    def _each(self) -> list[ZeroRuntime]:
+        return [self.dense] if self.experts is None else [self.dense, self.experts]
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        with ExitStack() as stack:
+            for runtime in self._each():
+                stack.enter_context(runtime.no_sync())
+            yield
+
+    def after_backward(self) -> None:
+        for runtime in self._each():
+            runtime.after_backward()
+
+    def replica_group(self) -> dist.ProcessGroup | None:
+        # the ranks holding this rank's whole state: the same experts and (ZeRO-0) the same dense parameters
+        return self.edp_group if self.dense.replica_group() is not None else None
+
+    def set_wait_timer(self, timer: WaitTimer) -> None:
+        for runtime in self._each():
+            runtime.set_wait_timer(timer)
+
+    def remove(self) -> None:
+        for runtime in self._each():
+            runtime.remove()
+        for hook in self._hooks:
+            hook.remove()
