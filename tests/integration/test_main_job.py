@@ -126,6 +126,45 @@ def test_the_long_context_config_parses(capsys, monkeypatch):
     assert "cp: 2" in out
 
 
+def test_the_moe_config_parses(capsys, monkeypatch):
+    """examples/configs/moe_cpu.yaml: every key one the CLI knows (it trains in the slow tier below)."""
+    from megascale.lightning.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["megascale"])
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(SystemExit) as exited:
+        main(["fit", "--config", str(CONFIG.with_name("moe_cpu.yaml")), "--print_config"])
+    out, err = capsys.readouterr()
+    assert exited.value.code in (0, None), err[-3000:]
+    assert "ep: 2" in out and "num_experts: 8" in out
+
+
+# slow tier: 4 ranks, ep=2; CI proves expert parallelism against one process in tests/lightning/test_moe.py
+@pytest.mark.slow
+def test_the_moe_config_trains_under_expert_parallelism(tmp_path):
+    shards = build_stdlib_shards(tmp_path / "stdlib")
+    override = {  # YAML is a superset of JSON
+        "trainer": {
+            "max_steps": 6, "val_check_interval": 6, "enable_progress_bar": False,
+            "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger",
+                       "init_args": {"save_dir": str(tmp_path / "logs"), "name": "moe"}},
+        },
+        "data": {"init_args": {
+            "train": {"sources": [{"urls": shards.train}]}, "val": {"sources": [{"urls": shards.val}]},
+        }},
+    }  # fmt: skip
+    (tmp_path / "override.yaml").write_text(json.dumps(override))
+    command = [sys.executable, "-m", "megascale.lightning.cli", "fit", "--config",
+               str(CONFIG.with_name("moe_cpu.yaml")), "--config", str(tmp_path / "override.yaml")]  # fmt: skip
+    result = subprocess.run(command, env=clean_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    losses = _losses(tmp_path / "logs" / "moe" / "version_0" / "metrics.csv", "train/loss")
+    assert losses and all(0 < v < 10 for v in losses.values()), losses
+    load = _losses(tmp_path / "logs" / "moe" / "version_0" / "metrics.csv", "moe/load")
+    assert load and all(1.0 <= v <= 8.0 for v in load.values()), load
+    assert (tmp_path / "logs" / "moe" / "expert_load.png").is_file()
+
+
 # slow tier: 4 ranks at 2048 tokens; CI proves each cp layout against one process in tests/lightning/test_strategy.py
 @pytest.mark.slow
 def test_the_long_context_config_trains_under_context_parallelism(tmp_path):

@@ -39,6 +39,7 @@ class RecordLoss(Callback):
 
     def __init__(self) -> None:
         self.losses: list[float] = []
+        self.expert_load: list[float] = []  # GPTModule's moe/load after each step, with a mixture of experts
         self.samples: list[list[int]] = []  # per optimizer step: a fingerprint of each sample this rank saw
         self._step_samples: list[int] = []
 
@@ -51,6 +52,8 @@ class RecordLoss(Callback):
             self.samples.append(self._step_samples)
             self._step_samples = []
             self.losses.append(float(trainer.callback_metrics["train/loss"]))
+            if "moe/load" in trainer.callback_metrics:
+                self.expert_load.append(float(trainer.callback_metrics["moe/load"]))
             if os.environ.get("FIT_DEBUG"):
                 print(
                     "DEBUG",
@@ -119,10 +122,16 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     for part in _gather(weights):
         for key, value in part.items():
             weights.setdefault(key, value)
-    out: dict[str, Any] = {"losses": record.losses, "weights": weights}
+    out: dict[str, Any] = {"losses": record.losses, "weights": weights, "expert_load": record.expert_load}
     dims = getattr(trainer.strategy, "_dims", None)  # MegaScaleStrategy: the layout it ran
     if dims is not None:
-        out["layout"] = {"dp": dims.dp, "pp": dims.pp, "cp": dims.cp, "tp": dims.tp}
+        out["layout"] = {
+            "dp": dims.dp,
+            "pp": dims.pp,
+            "cp": dims.cp,
+            "tp": dims.tp,
+            "ep": trainer.strategy.ep,
+        }
     # the union batch of each step over every rank (tp and pp peers see the same samples)
     out["samples"] = [sorted(set().union(*step)) for step in zip(*_gather(record.samples))]
     if job.get("optimizer_state"):

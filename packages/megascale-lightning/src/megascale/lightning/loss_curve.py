@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["ATTEMPTS_FILE", "Attempt", "plot_loss_curve", "read_attempts", "record_attempt"]
+__all__ = ["ATTEMPTS_FILE", "Attempt", "logged_names", "plot_loss_curve", "read_attempts", "record_attempt"]
 
 ATTEMPTS_FILE = "attempts.jsonl"
 
@@ -75,6 +75,18 @@ def _read_metrics(path: Path, names: list[str]) -> dict[str, list[tuple[int, flo
     return series
 
 
+def logged_names(root: str | Path, prefix: str) -> list[str]:
+    """The metrics whose names start with ``prefix`` that this run's attempts under ``root`` logged, sorted."""
+    root = Path(root)
+    names: set[str] = set()
+    for version, _ in _run_entries(root):
+        path = root / version / "metrics.csv"
+        if path.exists():
+            with open(path, newline="") as f:
+                names.update(n for n in next(csv.reader(f), []) if n.startswith(prefix))
+    return sorted(names)
+
+
 def read_attempts(root: str | Path, names: list[str]) -> list[Attempt]:
     """This run's attempts under ``root`` (a CSVLogger's ``save_dir/name``), oldest first, with ``names``."""
     root = Path(root)
@@ -84,7 +96,9 @@ def read_attempts(root: str | Path, names: list[str]) -> list[Attempt]:
     ]
 
 
-def plot_loss_curve(attempts: list[Attempt], output: str | Path, title: str = "loss") -> Path:
+def plot_loss_curve(
+    attempts: list[Attempt], output: str | Path, title: str = "loss", ylabel: str = "loss"
+) -> Path:
     """Draw ``attempts`` (see the module header) into the PNG ``output``; needs matplotlib."""
     import matplotlib
 
@@ -117,7 +131,7 @@ def plot_loss_curve(attempts: list[Attempt], output: str | Path, title: str = "l
                 xycoords=("data", "axes fraction"), rotation=90, va="top", ha="right", fontsize=7, color=color,
             )  # fmt: skip
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel("loss")
+    ax.set_ylabel(ylabel)
     restarts = len(attempts) - 1
     ax.set_title(f"{title}: {restarts} restart{'s' if restarts != 1 else ''}" if restarts else title)
     ax.grid(alpha=0.3)

@@ -101,6 +101,13 @@ def _plain(t: Tensor) -> Tensor:
     return full() if callable(full) else t
 
 
+def _moe_layer_names(gpt: GPT) -> list[str]:
+    """The block number of each MoE layer this rank holds, in ``moe_layers`` order."""
+    from megascale.core.model.moe import MoE
+
+    return [name.split(".")[1] for name, m in gpt.named_modules() if isinstance(m, MoE)]
+
+
 def _config_of_pretrained(pretrained: str, given: GPTConfig | None) -> GPTConfig:
     """The GPTConfig of the Hugging Face checkpoint ``pretrained``, or ``given`` if it builds the same network."""
     with HFCheckpoint(pretrained) as checkpoint:
@@ -354,6 +361,29 @@ class GPTModule(LightningModule):
         strategy = self._trainer.strategy if self._trainer is not None else None
         norm = grad_norm(self.parameters(), sum_group=getattr(strategy, "gradient_norm_group", None))
         self.log("train/grad_norm", _plain(norm).detach().float(), on_step=True, on_epoch=False)
+        if self.config.moe is not None:
+            self._balance_experts(strategy)
+
+    def _balance_experts(self, strategy: Any) -> None:
+        """Once per optimizer step (its counts complete, its next forward not begun): the routers' loss-free
+        bias update from the step's tokens per expert, summed over the data-parallel ranks, and the load in the
+        logs: ``moe/load`` (progress bar) is the busiest expert's tokens over the mean, in the most unbalanced
+        layer (1.0 = balanced), ``moe/load/<layer>`` each layer's."""
+        import torch.distributed as dist
+
+        from megascale.core.model.moe import update_expert_biases
+
+        if hasattr(strategy, "data_parallel_group"):
+            group = strategy.data_parallel_group
+        else:  # DDP, FSDP...: every rank a data-parallel replica
+            group = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+        counts = update_expert_biases(self.gpt, group)
+        if counts is None:  # a pipeline rank holding no MoE layer
+            return
+        load = counts.max(-1).values / counts.mean(-1).clamp_min(1e-9)
+        self.log("moe/load", float(load.max()), prog_bar=True, on_step=True, on_epoch=False)
+        for name, value in zip(_moe_layer_names(self.gpt), load.tolist(), strict=True):
+            self.log(f"moe/load/{name}", value, on_step=True, on_epoch=False)
 
     # -- optimisation -----------------------------------------------------------------------------------------
 

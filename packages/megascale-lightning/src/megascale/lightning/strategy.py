@@ -68,8 +68,8 @@ __all__ = ["MegaScaleStrategy"]
 
 
 class MegaScaleStrategy(ParallelStrategy):
-    """Tensor, pipeline, context and ZeRO data parallelism for any LightningModule (``dp`` = world size /
-    (tp · pp · cp)).
+    """Tensor, pipeline, context, expert and ZeRO data parallelism for any LightningModule (``dp`` = world
+    size / (tp · pp · cp)).
 
     A megascale GPT is split as it is; a model of your own joins by what it declares (a
     ``tensor_parallel_plan``, ``pipeline_layers()``/``pipeline_loss()``, ``init_weights()``): see
@@ -81,6 +81,8 @@ class MegaScaleStrategy(ParallelStrategy):
         cp: context-parallel size (ranks each holding two chunks of every sequence: for long sequences;
             megascale GPTs only). The cp ranks of a replica read the same samples and the model keeps its
             chunks; gradients are averaged and ZeRO shards over dp × cp.
+        ep: expert-parallel size: a megascale GPT's mixture of experts (``GPTConfig.moe``) keeps 1/ep of its
+            experts on each of ``ep`` data-parallel ranks, tokens moved to them by all-to-all; must divide dp.
         num_microbatches: microbatches per step with pp > 1 (default pp); each rank's batch is split into them.
         schedule: pipeline schedule: "1f1b" (megascale's decoupled 1F1B), "interleaved" (needs
             virtual_stages ≥ 2) or "gpipe".
@@ -125,6 +127,7 @@ class MegaScaleStrategy(ParallelStrategy):
         tp: int = 1,
         pp: int = 1,
         cp: int = 1,
+        ep: int = 1,
         num_microbatches: int | None = None,
         schedule: Literal["1f1b", "interleaved", "gpipe"] = "1f1b",
         virtual_stages: int = 1,
@@ -158,7 +161,7 @@ class MegaScaleStrategy(ParallelStrategy):
             precision_plugin=precision_plugin,
         )
         self.plan = ParallelPlan(
-            tp=tp, pp=pp, cp=cp, zero_stage=zero_stage, zero1_sharding=zero1_sharding, num_microbatches=num_microbatches, schedule=schedule,
+            tp=tp, pp=pp, cp=cp, ep=ep, zero_stage=zero_stage, zero1_sharding=zero1_sharding, num_microbatches=num_microbatches, schedule=schedule,
             virtual_stages=virtual_stages, pipeline_split=tuple(pipeline_split) if pipeline_split else None,
             sequence_parallel=sequence_parallel, overlap_tp_comm=overlap_tp_comm, tp_comm_chunks=tp_comm_chunks,
             overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather,
@@ -194,6 +197,16 @@ class MegaScaleStrategy(ParallelStrategy):
     @property
     def cp(self) -> int:
         return self.plan.cp
+
+    @property
+    def ep(self) -> int:
+        return self.plan.ep
+
+    @property
+    def data_parallel_group(self) -> Any:
+        """The ranks of this rank's pipeline stage reading different batches (dp, or dp × cp), over which
+        per-batch statistics are summed (a mixture of experts' tokens per expert); None with one replica."""
+        return self._runtime.data_parallel_group if self._runtime is not None else None
 
     @property
     def zero_stage(self) -> int:
@@ -525,7 +538,7 @@ class MegaScaleStrategy(ParallelStrategy):
         """This run's layout as a checkpoint records it (``checkpoint_io.LAYOUT_KEY``, ``layout_name``)."""
         dims = self.runtime.dims
         return dict(
-            dp=dims.dp, pp=dims.pp, cp=dims.cp, tp=dims.tp, zero_stage=self.plan.zero_stage,
+            dp=dims.dp, pp=dims.pp, cp=dims.cp, tp=dims.tp, ep=self.plan.ep, zero_stage=self.plan.zero_stage,
             zero1_sharding=self.plan.zero1_sharding, sequence_parallel=self.plan.sequence_parallel,
         )  # fmt: skip
 

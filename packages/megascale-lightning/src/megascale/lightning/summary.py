@@ -20,7 +20,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from megascale.lightning.loss_curve import plot_loss_curve, read_attempts, record_attempt
+from megascale.lightning.loss_curve import logged_names, plot_loss_curve, read_attempts, record_attempt
 
 __all__ = ["RunSummary"]
 
@@ -83,6 +83,7 @@ class RunSummary(Callback):
         self.metrics = tuple(metrics)
         self.sample: str | None = None  # the last sample's text (prompt included), on every rank
         self.loss_curve_path: Path | None = None  # the picture written, on rank 0
+        self.expert_load_path: Path | None = None  # with a mixture of experts: its load picture, on rank 0
 
     # -- hooks ------------------------------------------------------------------------------------------------
 
@@ -173,6 +174,22 @@ class RunSummary(Callback):
         output = output if output.is_absolute() else root / output
         plot_loss_curve(attempts, output)
         rank_zero_info(f"RunSummary: loss curve over {len(attempts)} attempt(s) written to {output}")
+        self._draw_expert_load(root, output.parent)
+        return output
+
+    def _draw_expert_load(self, root: Path, folder: Path) -> Path | None:
+        """A mixture of experts' balance over the run (GPTModule logs ``moe/load/<layer>``: the busiest
+        expert's tokens over the mean), next to the loss curve as ``expert_load.png``."""
+        names = logged_names(root, "moe/load/")
+        if not names:
+            return None
+        output = folder / "expert_load.png"
+        plot_loss_curve(
+            read_attempts(root, names), output, title="expert load per MoE layer (1 = balanced)",
+            ylabel="busiest expert / mean",
+        )  # fmt: skip
+        rank_zero_info(f"RunSummary: expert load written to {output}")
+        self.expert_load_path = output
         return output
 
 

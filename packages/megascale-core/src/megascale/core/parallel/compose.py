@@ -98,6 +98,9 @@ class ParallelRuntime:
     tp_layers: list[WaitTimed] = field(default_factory=list)
     #: the first forward's check of a tensor_parallel_plan (``tp_region_check``), deferred under pp
     region_check: RegionCheck | None = None
+    #: with ep > 1: the mesh with "dp" seen as ("edp", "ep") (``ep.expert_mesh``): experts are split over "ep"
+    #: and replicated over "edp"
+    expert_mesh: DeviceMesh | None = None
 
     def check_first_step(self) -> None:
         """Every rank, after the first step's backward and before its optimizer step: raise, on every rank,
@@ -106,6 +109,15 @@ class ParallelRuntime:
         MegaScaleStrategy does."""
         if self.region_check is not None:
             self.region_check.verdict()
+
+    @property
+    def data_parallel_group(self) -> dist.ProcessGroup | None:
+        """The ranks of this rank's pipeline stage that read different batches (dp, or dp × cp flattened):
+        what per-batch statistics are summed over, e.g. a mixture of experts' tokens per expert
+        (``megascale.core.model.moe.update_expert_biases``). None with a single replica."""
+        if self.dims.dp * self.dims.cp == 1:
+            return None
+        return _replica_mesh(self.mesh, self.dims).get_group()
 
     @property
     def grad_norm_group(self) -> SumGroup:
@@ -192,9 +204,10 @@ def parallelize(
     if dims.cp > 1:  # 1b.
         _apply_context_parallel(module, gpts, mesh["cp"])
     experts: list[nn.Parameter] = []
-    edp_mesh: DeviceMesh | None = None
+    emesh: DeviceMesh | None = None
     if plan.ep > 1:  # 1c.
-        experts, edp_mesh = _apply_expert_parallel(module, gpts, mesh, plan.ep)
+        experts, emesh = _apply_expert_parallel(module, gpts, mesh, plan.ep)
+    edp_mesh = emesh["edp"] if emesh is not None else None
     replicas = _replica_mesh(mesh, dims)
     stages: list[StageModule] = []
     pipelined: nn.Module | None = None
@@ -258,7 +271,7 @@ def parallelize(
             warnings.warn(note, stacklevel=2)
     return ParallelRuntime(
         plan=plan, dims=dims, mesh=mesh, zero=zero, pipeline=pipeline, rng=rng, notes=notes,
-        tp_layers=tp_layers, region_check=region_check,
+        tp_layers=tp_layers, region_check=region_check, expert_mesh=emesh,
     )  # fmt: skip
 
 
@@ -480,7 +493,7 @@ def _apply_expert_parallel(
     emesh = expert_mesh(mesh, ep)
     for gpt in moe_gpts:
         apply_expert_parallel(gpt, emesh["ep"])
-    return [p for gpt in moe_gpts for p in expert_params(gpt)], emesh["edp"]
+    return [p for gpt in moe_gpts for p in expert_params(gpt)], emesh
 
 
 def _expert_replicas(

@@ -65,6 +65,14 @@ CAUSES: dict[tuple[str, str], str] = {
         "the data-parallel replicas hold different values: weights changed on one rank outside the optimizer "
         "step, or optimizer states that differ"
     ),
+    ("edp", "gradient"): (
+        "the experts' gradient averaging over the ranks holding the same experts missed the parameter, or "
+        "code changed one rank's expert gradient after it"
+    ),
+    ("edp", "value"): (
+        "ranks holding the same experts hold different values: expert weights changed on one rank outside "
+        "the optimizer step"
+    ),
 }
 
 
@@ -287,7 +295,10 @@ class ReplicaGuard:
     def _labels(self, t: Tensor, runtime: ParallelRuntime, *, dp_ok: bool) -> tuple[str, ...]:
         dims = self._mesh_dims(t, runtime)
         labels = []
-        if runtime.dims.dp > 1 and dp_ok and runtime.zero.stage in (0, 1) and "dp" not in dims:
+        if "ep" in dims:  # an expert stack: its replicas are the ranks holding the same experts
+            if runtime.expert_mesh is not None and runtime.expert_mesh["edp"].size() > 1 and dp_ok:
+                labels.append("edp")
+        elif runtime.dims.dp > 1 and dp_ok and runtime.zero.stage in (0, 1) and "dp" not in dims:
             labels.append("dp")
         if runtime.dims.tp > 1 and "tp" not in dims:
             labels.append("tp")
@@ -299,9 +310,10 @@ class ReplicaGuard:
             return ()
         mesh = t.device_mesh  # type: ignore[attr-defined]
         if id(mesh) not in self._dims:
-            known = {
-                tuple(dist.get_process_group_ranks(runtime.mesh[d].get_group())): d for d in ("dp", "tp")
-            }
+            meshes = {d: runtime.mesh[d] for d in ("dp", "tp")}
+            if runtime.expert_mesh is not None:
+                meshes["ep"] = runtime.expert_mesh["ep"]
+            known = {tuple(dist.get_process_group_ranks(m.get_group())): d for d, m in meshes.items()}
             self._dims[id(mesh)] = tuple(
                 known.get(tuple(dist.get_process_group_ranks(mesh.get_group(i)))) for i in range(mesh.ndim)
             )
@@ -311,6 +323,8 @@ class ReplicaGuard:
         if runtime.dims.dp == 1 and runtime.dims.tp == 1:
             return  # no replicas: nothing to compare
         groups = {"dp": runtime.mesh["dp"].get_group(), "tp": runtime.mesh["tp"].get_group()}
+        if runtime.expert_mesh is not None:
+            groups["edp"] = runtime.expert_mesh["edp"].get_group()
         found: ReplicaMismatchError | None = None
         try:
             check_replicas(

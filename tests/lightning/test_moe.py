@@ -1,0 +1,54 @@
+"""A mixture-of-experts GPTModule under MegaScaleStrategy trains like one process under Lightning's default.
+
+Same harness as test_strategy.py (real ``Trainer.fit`` on gloo ranks, the same global batch, AdamW with warmup,
+weight decay and clipping active every step), with a GPT whose every block is a mixture of 4 experts (top 2)
+and every balancing on: the sequence-wise auxiliary loss, the z-loss and the loss-free bias update, which the
+GPTModule applies before each optimizer step from the tokens per expert summed over the data-parallel ranks.
+Compared: the logged losses, the logged expert load (``moe/load``: it steers the biases, so a count summed
+over the wrong ranks shows here first), and every weight and router bias. Tolerances as in test_strategy.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.lightning._launch import fit
+from tests.lightning.test_strategy import GLOBAL_BATCH, LOSS_TOL, MODULE, WEIGHT_TOL
+
+MOE = dict(
+    num_experts=4, top_k=2, expert_hidden=32, aux_loss_coef=0.05, z_loss_coef=1e-3, bias_update_rate=1e-3
+)
+CONFIG = dict(vocab_size=100, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32,
+              pad_vocab_to_multiple_of=64, parallel_block=True, moe=MOE)  # fmt: skip
+
+
+def job(name: str, strategy: dict | None, dp: int, *, accumulate: int = 1) -> dict:
+    micro = GLOBAL_BATCH // (dp * accumulate)
+    return dict(
+        name=name, strategy=strategy, config=CONFIG, module=MODULE,
+        data=dict(source="random:100", seq_len=16, batch_size=micro, max_bytes=40_000, shuffle=True),
+        trainer=dict(max_steps=4, gradient_clip_val=0.05, accumulate_grad_batches=accumulate),
+    )  # fmt: skip
+
+
+def test_an_expert_parallel_fit_matches_one_process(tmp_path) -> None:
+    reference = fit([job("single", None, 1)], 1, tmp_path / "one")["single"]
+    assert len(reference["expert_load"]) == 4 and all(load > 1.0 for load in reference["expert_load"])
+    jobs = [
+        job("ep2", dict(ep=2, zero_stage=0), 2),
+        job("ep2 accumulate=2", dict(ep=2, zero_stage=0), 2, accumulate=2),
+        job("dp2/zero1", dict(zero_stage=1), 2),  # ep=1: the experts are ordinary parameters
+    ]
+    results = fit(jobs, 2, tmp_path / "two")
+    for name, result in results.items():
+        assert result["layout"]["ep"] == (2 if name.startswith("ep2") else 1), name
+        assert result["expert_load"] == pytest.approx(reference["expert_load"], rel=1e-6), name
+        if "accumulate" not in name:  # Lightning logs each micro-batch's loss under accumulation
+            assert result["losses"] == pytest.approx(reference["losses"], abs=LOSS_TOL), name
+        assert result["weights"].keys() == reference["weights"].keys(), name
+        assert any("expert_bias" in k for k in reference["weights"])
+        worst, where = max(
+            ((result["weights"][k] - reference["weights"][k]).abs().max().item(), k)
+            for k in reference["weights"]
+        )
+        assert worst <= WEIGHT_TOL, f"{name}: weights differ by up to {worst:.2e} ({where})"
