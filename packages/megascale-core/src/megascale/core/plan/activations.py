@@ -38,6 +38,27 @@ attends, gathered into one tensor (b·K·2·KV·hd/t·C, K the keys it holds: s 
 sliding window's halo for a windowed one; the rank's own rotated k and v are not kept), the output, the
 log-sum-exp and the rotary tables at its positions (s/cp·hd·4 per layer); no mask (``cp/block_attention.py``
 computes block by block).
+
+Mixture of experts (``GPTConfig.moe``, ``model/moe.py``) in the MLP's place, E experts of width F_e, top-k,
+E_r = E/ep of them on this rank; R_k = N·k the routed rows a rank computes: its own under ep = 1, and under
+ep > 1 on average the same number from its peers (uniform routing: every expert receives N·k/E rows of each
+rank; a skewed router gives the busiest rank more):
+
+    norm output (matmul input)                   as above, read by the router and the shared experts (autocast
+                                                 casts it once per reader)
+    router: fp32 scores (softmax or sigmoid)     N·E·4;  with z-loss the fp32 logits and their lse, N·E·4 + N·4
+    chosen experts (int64); routing weights      N·k·8;  N·k·C (+ N·k·4 + N·4 normalised to sum to 1)
+    balancing loss (sequence-wise)               b·E·4 (sigmoid scores: + N·4, their sum)
+    rows sorted by expert (the experts' input)   R_k·D·C, once per projection reading them under autocast
+    sort and un-sort indices (int64)             2·R_k·8;  under ep the received rows' regrouping: 2·R_k·8 more
+    expert hidden states: as the MLP's           R_k·F_e·C each (gate, up, silu with the torch kernel, output)
+    experts' outputs un-sorted (the combination) R_k·D·C
+    expert weights cast by autocast              (2 or 3)·E_r·D·F_e·C per microbatch: the stacks are sliced
+                                                 (or transposed) before the matmul, so autocast's cache of
+                                                 parameter casts misses them; none in fp32 or under ZeRO-2/3
+    shared experts                               an MLP of width shared·F_e on N tokens
+
+Under "full" checkpointing the MoE is recomputed with its block; "selective" recomputes attention only.
 """
 
 from __future__ import annotations
@@ -48,7 +69,7 @@ from functools import cached_property
 from megascale.core.config import GPTConfig
 from megascale.core.parallel.cp.kv_exchange import choose
 from megascale.core.plan.layout import Layout, Workload
-from megascale.core.plan.shapes import Stage, block_parameters
+from megascale.core.plan.shapes import Stage, block_parameters, expert_parameters
 
 __all__ = ["ActivationModel"]
 
@@ -176,9 +197,11 @@ class ActivationModel:
             f"{name}.matmul_input": copies * self.stream_tokens * self.config.d_model * self.compute_bytes
         }
 
-    def _mlp(self, prefix: str) -> Terms:
-        cfg, t, n, c = self.config, self.layout.plan.tp, self.tokens, self.compute_bytes
-        f = cfg.ffn_dim / t
+    def _mlp(self, prefix: str, rows: float | None = None, width: float | None = None) -> Terms:
+        """A dense MLP on this rank's tokens (or ``rows`` of them, ``width`` wide: experts)."""
+        cfg, t, c = self.config, self.layout.plan.tp, self.compute_bytes
+        n = self.tokens if rows is None else rows
+        f = cfg.ffn_dim / t if width is None else width
         k = self.workload.kernels
         out: Terms = {}
         if cfg.activation == "swiglu":
@@ -186,9 +209,51 @@ class ActivationModel:
             if k.activation == "torch":
                 out[f"{prefix}.silu"] = n * f * c
         else:  # the GeLU's input; x + bias in fp32 when the reference adds an fp32 bias to bf16
-            promoted = k.activation == "torch" and cfg.bias and c < 4
+            promoted = k.activation == "torch" and cfg.bias and c < 4 and width is None
             out[f"{prefix}.gelu_input"] = n * f * (4 if promoted else c)
         out[f"{prefix}.act_out"] = n * f * c
+        return out
+
+    @property
+    def routed_rows(self) -> float:
+        """R_k: rows the experts of this rank compute per microbatch, N·top_k (uniform routing under ep)."""
+        moe = self.config.moe
+        return float(self.tokens * moe.top_k) if moe is not None else 0.0
+
+    def _expert_weights_cast(self) -> bool:
+        """Autocast casts the expert stacks at every forward (mixed precision with fp32 parameters)."""
+        plan = self.layout.plan
+        return self.compute_bytes != 4 and not (plan.zero_stage >= 2 and self.layout.replicas > 1)
+
+    def _moe_readers(self) -> int:
+        """Matmuls reading the norm output in the MoE: the router and the shared experts' projections."""
+        moe = self.config.moe
+        assert moe is not None
+        return 1 + ((2 if self.config.activation == "swiglu" else 1) if moe.shared_experts else 0)
+
+    def _moe(self, prefix: str) -> Terms:
+        """A mixture-of-experts layer's saved bytes (module docstring), its input excluded."""
+        cfg, c, n, b = self.config, self.compute_bytes, self.tokens, self.layout.micro_batch_size
+        moe = cfg.moe
+        assert moe is not None
+        e, k, rows, d = moe.num_experts, moe.top_k, self.routed_rows, cfg.d_model
+        mlp_in = 2 if cfg.activation == "swiglu" else 1
+        out: Terms = {f"{prefix}.router_scores": n * e * 4.0}
+        if moe.z_loss_coef > 0:
+            out[f"{prefix}.router_logits"] = n * e * 4.0 + n * 4.0
+        if moe.aux_loss_coef > 0:
+            out[f"{prefix}.balancing"] = b * e * 4.0 + (n * 4.0 if moe.score == "sigmoid" else 0.0)
+        out[f"{prefix}.chosen"] = n * k * 8.0
+        out[f"{prefix}.weights"] = n * k * c + ((n * k * 4.0 + n * 4.0) if moe.normalize_top_k else 0.0)
+        copies = mlp_in if c != self.residual_bytes else 1
+        out[f"{prefix}.rows"] = copies * rows * d * c
+        out[f"{prefix}.indices"] = 2 * rows * 8.0 * (2 if self.layout.plan.ep > 1 else 1)
+        out.update(self._mlp(f"{prefix}.experts", rows=rows, width=cfg.expert_dim))
+        out[f"{prefix}.outputs"] = rows * d * c
+        if self._expert_weights_cast():
+            out[f"{prefix}.expert_weight_casts"] = expert_parameters(cfg, self.layout.plan.ep) * float(c)
+        if moe.shared_experts:
+            out.update(self._mlp(f"{prefix}.shared", width=moe.shared_experts * cfg.expert_dim))
         return out
 
     def _dropout(self, name: str) -> Terms:
@@ -213,11 +278,14 @@ class ActivationModel:
         )
         out: Terms = {}
         mlp_in = 2 if cfg.activation == "swiglu" else 1
+        moe = cfg.moe is not None
+        if moe:
+            mlp_in = self._moe_readers()
         if cfg.parallel_block:
             out.update(self._norm(nr, d, r, "norm"))
-            out.update(self._matmul_input("norm", 3 + mlp_in))  # q, k, v, gate/up
+            out.update(self._matmul_input("norm", 3 + mlp_in))  # q, k, v, gate/up (MoE: router, shared)
             out.update(attention)
-            out.update(self._mlp("mlp"))
+            out.update(self._moe("moe") if moe else self._mlp("mlp"))
             out.update(self._dropout("out"))
             return out
         out.update(self._norm(nr, d, r, "attn_norm"))
@@ -226,7 +294,7 @@ class ActivationModel:
         out.update(self._dropout("attn"))
         out.update(self._norm(nr, d, r, "mlp_norm"))  # its input: the residual after attention
         out.update(self._matmul_input("mlp_norm", mlp_in))
-        out.update(self._mlp("mlp"))
+        out.update(self._moe("moe") if moe else self._mlp("mlp"))
         out.update(self._dropout("mlp"))
         return out
 
@@ -267,7 +335,20 @@ class ActivationModel:
     def weight_copies(self, stages: list[Stage]) -> float:
         """Compute-dtype copies of the matmul weights that autocast makes (and autograd saves) once per step:
         none under tensor parallelism (its matmuls cast inside, keeping nothing), in fp32, or under ZeRO-2/3
-        (parameters are gathered in the compute dtype)."""
+        (parameters are gathered in the compute dtype). Under "full" checkpointing the blocks' copies are not
+        saved (``cached_weight_copies``): only the head's."""
+        if self.layout.plan.activation_checkpointing == "full":
+            return self._weight_copies(stages, blocks=False)
+        return self._weight_copies(stages)
+
+    def cached_weight_copies(self, stages: list[Stage]) -> float:
+        """Under "full" checkpointing, the blocks' weight copies: autocast's cache holds them to the end of the
+        forward (where every block input is saved), though nothing saves them; recomputation casts them again."""
+        if self.layout.plan.activation_checkpointing != "full":
+            return 0.0
+        return self._weight_copies(stages) - self._weight_copies(stages, blocks=False)
+
+    def _weight_copies(self, stages: list[Stage], blocks: bool = True) -> float:
         plan, c = self.layout.plan, self.compute_bytes
         if plan.tp > 1 or c == 4 or (plan.zero_stage >= 2 and self.layout.replicas > 1):
             return 0.0
@@ -277,12 +358,16 @@ class ActivationModel:
             * cfg.d_model
             * (1 if cfg.parallel_block else 2)
         )
-        out_bias = cfg.d_model * (1 if cfg.parallel_block else 2) if cfg.bias else 0
+        out_biases = 1 if cfg.parallel_block else 2
+        if cfg.moe is not None:  # the attention output's, and the shared experts' MLP's
+            out_biases = 1 + (1 if cfg.moe.shared_experts else 0)
+        out_bias = cfg.d_model * out_biases if cfg.bias else 0
         qk = 2 * cfg.head_dim * (2 if cfg.norm == "layernorm" and cfg.bias else 1) if cfg.qk_norm else 0
-        block = block_parameters(cfg, 1) - norms - out_bias - qk
+        # the expert stacks are cast at every forward instead (``_moe``)
+        block = block_parameters(cfg, 1) - norms - out_bias - qk - expert_parameters(cfg)
         n = 0
         for s in stages:
-            n += len(s.blocks) * block
+            n += len(s.blocks) * block if blocks else 0
             if s.last and not (cfg.tie_embeddings and s.first):
                 n += cfg.padded_vocab_size * cfg.d_model
         return float(n * c)

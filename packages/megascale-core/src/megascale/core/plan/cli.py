@@ -27,7 +27,7 @@ from megascale.core.plan.examples import EXAMPLES
 from megascale.core.plan.layout import OPTIMIZER_STATES, Kernels, Workload
 from megascale.core.plan.presets import PRESETS, load_model
 from megascale.core.plan.search import Candidate, Fixed, search
-from megascale.core.plan.shapes import stages_of_rank
+from megascale.core.plan.shapes import model_parameters
 
 __all__ = ["EXAMPLES", "main"]
 
@@ -68,6 +68,8 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument(
         "--cp", type=int, help="context-parallel size (searched only for sequences of 16k tokens or more)"
     )
+    f.add_argument("--ep", type=int, help="expert-parallel size, a divisor of dp and of the experts (a mixture of "
+                   "experts only; searched when left out)")  # fmt: skip
     f.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3])
     f.add_argument("--micro-batch-size", type=int)
     f.add_argument("--num-microbatches", type=int, help="per optimizer step (pipeline or accumulation)")
@@ -117,7 +119,7 @@ def _row(i: int, c: Candidate) -> str:
 def _why(c: Candidate) -> str:
     s = c.step
     parts = {"compute": s.compute - s.recompute, "recompute": s.recompute, "bubble": s.bubble, "tp comm": s.tp_comm,
-             "cp comm": s.cp_comm, "pp comm": s.pp_comm, "dp comm": s.dp_comm, "optimizer": s.optimizer}  # fmt: skip
+             "cp comm": s.cp_comm, "ep comm": s.ep_comm, "pp comm": s.pp_comm, "dp comm": s.dp_comm, "optimizer": s.optimizer}  # fmt: skip
     share = ", ".join(f"{k} {v / s.step_time:.0%}" for k, v in parts.items() if v / s.step_time >= 0.005)
     mem = c.memory.peak
     return (f"      step: {share}; memory (pipeline rank {mem.pp_rank}): states {mem.states / _GB:.1f} GB, "
@@ -166,7 +168,7 @@ def _plan(ns: argparse.Namespace) -> int:
         cluster = ClusterSpec(gpu, gpus=ns.gpus, gpus_per_node=ns.gpus_per_node, network_bandwidth=network)
         workload = Workload(config, seq_len=seq_len, global_batch=ns.global_batch, precision=ns.precision,
                             optimizer=ns.optimizer)  # fmt: skip
-    fixed = Fixed(tp=ns.tp, pp=ns.pp, dp=ns.dp, cp=ns.cp, zero_stage=ns.zero_stage, micro_batch_size=ns.micro_batch_size,
+    fixed = Fixed(tp=ns.tp, pp=ns.pp, dp=ns.dp, cp=ns.cp, ep=ns.ep, zero_stage=ns.zero_stage, micro_batch_size=ns.micro_batch_size,
                   num_microbatches=ns.num_microbatches, schedule=ns.schedule, virtual_stages=ns.virtual_stages,
                   sequence_parallel=ns.sequence_parallel, activation_checkpointing=ns.activation_checkpointing)  # fmt: skip
     ranked = search(workload, cluster, fixed, top=ns.top)  # a ValueError names what cannot be laid out
@@ -182,8 +184,11 @@ def _plan(ns: argparse.Namespace) -> int:
         }  # fmt: skip
         print(json.dumps(out, indent=2, default=str))
     else:
-        n_params = stages_of_rank(config, 1, 1, 0)[0].parameters(config, 1)
-        print(f"megascale plan: {ns.model or 'GPT'} ({n_params / 1e9:.2f}B parameters), {cluster.gpus} × "
+        n_params = model_parameters(config)
+        active = (
+            f", {model_parameters(config, active=True) / 1e9:.2f}B active" if config.moe is not None else ""
+        )
+        print(f"megascale plan: {ns.model or 'GPT'} ({n_params / 1e9:.2f}B parameters{active}), {cluster.gpus} × "
               f"{cluster.gpu.name} ({cluster.gpus_per_node} per node, {cluster.usable_memory / _GB:.0f} GB usable "
               f"each), global batch {ns.global_batch} × {seq_len} tokens")  # fmt: skip
         print(
@@ -211,7 +216,11 @@ def no_fit_advice(smallest: Candidate, usable: float) -> str:
                 "(--activation-checkpointing full) or use more GPUs for tp/pp")  # fmt: skip
     fixes = []
     top_zero = 3 if plan.pp == 1 else 2
-    if dp > 1 and plan.zero_stage < top_zero:
+    if plan.ep > 1:
+        fixes.append(
+            f"--ep 1 with --zero-stage {top_zero} (expert parallelism runs beside ZeRO-0 only so far)"
+        )
+    elif dp > 1 and plan.zero_stage < top_zero:
         fixes.append(
             f"a higher ZeRO stage (--zero-stage {top_zero} shards them over the {dp} data-parallel ranks)"
         )
@@ -230,7 +239,7 @@ def _emit(ns: argparse.Namespace, best: Candidate, config: GPTConfig, seq_len: i
     from megascale.core.plan.emit import cpu_trial, lightning_config, preparation, to_yaml, tokenizer_for
 
     tokenizer = tokenizer_for(config, ns.model)
-    parameters = stages_of_rank(config, 1, 1, 0)[0].parameters(config, 1)
+    parameters = model_parameters(config)
     emitted = lightning_config(best, config, seq_len, cluster, precision, tokenizer=tokenizer,
                                max_steps=ns.max_steps, parameters=parameters)  # fmt: skip
     prepare = preparation(tokenizer, config.vocab_size)

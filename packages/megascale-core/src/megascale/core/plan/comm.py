@@ -21,7 +21,15 @@ from dataclasses import dataclass
 
 from megascale.core.plan.cluster import ClusterSpec
 
-__all__ = ["Group", "all_reduce_time", "call_latency", "gather_time", "p2p_latency", "p2p_time"]
+__all__ = [
+    "Group",
+    "all_reduce_time",
+    "all_to_all_time",
+    "call_latency",
+    "gather_time",
+    "p2p_latency",
+    "p2p_time",
+]
 
 
 @dataclass(frozen=True)
@@ -79,6 +87,20 @@ def _gather_bytes_time(nbytes: float, group: Group, cluster: ClusterSpec) -> flo
     intra = (k - 1) / k * nbytes / (g.nvlink_bandwidth * g.link_efficiency)
     inter = (n - 1) / n * (nbytes / k) / (cluster.network_bandwidth_per_gpu * g.link_efficiency)
     return intra + inter
+
+
+def all_to_all_time(nbytes: float, group: Group, cluster: ClusterSpec, calls: int = 1) -> float:
+    """Seconds of all-to-alls in which each member sends ``nbytes`` in all, an equal part to every member (its
+    own part stays): (k - 1)/size of it over NVLink to its node's peers, (size - k)/size over its adapter to the
+    other nodes' (the two at once: the slower decides); each call pays the call's and one network step's
+    latency (NCCL posts every peer's send at once)."""
+    if group.size <= 1:
+        return 0.0
+    g, k, size = cluster.gpu, group.per_node, group.size
+    intra = (k - 1) / size * nbytes / (g.nvlink_bandwidth * g.link_efficiency)
+    inter = (size - k) / size * nbytes / (cluster.network_bandwidth_per_gpu * g.link_efficiency)
+    latency = g.call_latency + (cluster.network_latency if group.nodes > 1 else g.nvlink_latency)
+    return max(intra, inter) + calls * latency
 
 
 def p2p_latency(across_nodes: bool, cluster: ClusterSpec) -> float:

@@ -11,7 +11,8 @@ The data a real run needs replaces ``data.init_args.*.sources``.
 
 ``cpu_trial``: the same run shrunk to this machine — the same kind of model (norm, activation, block, heads
 per key/value head, windows, biases) 64 wide with two layers per pipeline stage, the same strategy at tp and
-pp of at most 2 on at most 4 CPU processes, float32, 10 steps on the same shards: it checks the config, the
+pp of at most 2 on at most 4 CPU processes (a mixture of experts: at most 4 experts, ep within the trial's
+data-parallel ranks), float32, 10 steps on the same shards: it checks the config, the
 strategy and the data path in a minute before GPUs are spent on them.
 """
 
@@ -95,6 +96,8 @@ def lightning_config(candidate: Candidate, config: GPTConfig, seq_len: int, clus
     init_args: dict[str, Any] = {"tp": plan.tp, "pp": plan.pp, "zero_stage": plan.zero_stage}
     if plan.cp > 1:
         init_args["cp"] = plan.cp
+    if plan.ep > 1:
+        init_args["ep"] = plan.ep
     if plan.pp > 1:
         init_args.update(num_microbatches=plan.microbatches, schedule=plan.schedule)
         if plan.virtual_stages > 1:
@@ -128,7 +131,12 @@ def _small(config: GPTConfig, layers: int, tp: int, vocab: int) -> GPTConfig:
     kv = max(tp, 4 // group)
     window = None if config.sliding_window is None else min(config.sliding_window, 32)
     every = config.full_attention_every
-    return replace(config, vocab_size=vocab, d_model=64, n_layers=layers, n_heads=4, n_kv_heads=kv,
+    moe = config.moe
+    if moe is not None:  # at most 4 experts of the small width, the same routing
+        experts = min(moe.num_experts, 4)
+        moe = replace(moe, num_experts=experts, top_k=min(moe.top_k, experts), expert_hidden=None,
+                      shared_experts=min(moe.shared_experts, 1))  # fmt: skip
+    return replace(config, moe=moe, vocab_size=vocab, d_model=64, n_layers=layers, n_heads=4, n_kv_heads=kv,
                    head_size=16 if config.head_size is not None else None, ffn_hidden=None, ffn_multiple_of=32,
                    max_seq_len=64, sliding_window=window, full_attention_every=None if every is None else min(every, layers),
                    rope_scaling=None, kernels={})  # fmt: skip
@@ -151,12 +159,19 @@ def cpu_trial(
     tokenizer = train.get("tokenizer", "bytes")
     real_tokenizer = not tokenizer.startswith(".cache/megascale/bpe-")  # bytes, or the model's own
     vocab = config.vocab_size if real_tokenizer else BYTE_VOCAB
-    out["model"]["config"] = _config_dict(_small(config, 2 * pp * virtual, tp, vocab))
+    small = _small(config, 2 * pp * virtual, tp, vocab)
+    out["model"]["config"] = _config_dict(small)
     out["model"].update(lr=1e-3, warmup_steps=2)
     strategy = out["trainer"]["strategy"]["init_args"]
     strategy.update(tp=tp, pp=pp)
     if cp > 1:
         strategy["cp"] = cp
+    if plan.ep > 1:  # the largest ep within the trial's dp that splits its experts
+        assert small.moe is not None
+        experts = small.moe.num_experts
+        strategy["ep"] = max(e for e in range(1, dp + 1) if dp % e == 0 and experts % e == 0 and e <= plan.ep)
+        if strategy["ep"] == 1:
+            strategy.pop("ep")
     if pp > 1:
         strategy["num_microbatches"] = 2 * pp
         if plan.schedule == "interleaved" and pp < plan.pp:

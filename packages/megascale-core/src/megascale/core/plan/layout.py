@@ -195,6 +195,7 @@ class Layout:
             f"pp{p.pp}",
             f"dp{self.dp}",
             *([f"cp{p.cp}"] if p.cp > 1 else []),
+            *([f"ep{p.ep}"] if p.ep > 1 else []),
             f"zero{p.zero_stage}",
             f"mbs{self.micro_batch_size}",
         ]

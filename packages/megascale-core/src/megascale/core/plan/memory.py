@@ -10,7 +10,10 @@ ranks hold the same parameters and ZeRO shards over dp × cp) and k the optimize
     2, 3                4·P/dp          4·P/dp         4·k·P/dp            whole tensors, zero outside the
                                                                            rank's share: sharded_step.py)
 
-(Rajbhandari et al. 2020, ZeRO, §5 with fp32 gradients.) ZeRO-2 keeps every gathered parameter from forward
+(Rajbhandari et al. 2020, ZeRO, §5 with fp32 gradients.) A mixture of experts' routed experts count in P at E/ep
+of them under expert parallelism (``parallel/ep``: split over ep, replicated over the edp = dp/ep ranks, which
+average their gradients in buckets of their own beside the dense parameters' reducer; only ZeRO-0 with ep > 1);
+with ep = 1 they are parameters like the others, sharded by every ZeRO stage. ZeRO-2 keeps every gathered parameter from forward
 to backward (P in the compute dtype), ZeRO-3 about two units at a time (the one computing and the prefetched).
 Saved activations: ``ActivationModel`` per microbatch and stage, and ``schedule.peak_in_flight`` for the
 microbatches a rank holds at once. Buffers: the gradient-reduction buckets (``grad_reduce.IN_FLIGHT`` in flight
@@ -20,7 +23,8 @@ of the buckets); the pipeline's stages receive activations (every stage but
 the first) and gradients (every stage but the last) into buffers pooled over the microbatches in flight
 (``schedule.receive_buffers``: torch's ``PipelineStage`` would keep one per microbatch), and cache each stage
 output until that microbatch's backward. Workspace: what exists only while one layer runs
-(the logits and their gradient, one block's recomputation under full checkpointing).
+(the logits and their gradient, one block's recomputation under full checkpointing), and under full
+checkpointing with autocast the blocks' weight copies its cache holds to the end of the forward.
 
 The total adds the persistent state to the larger of two phases — forward/backward (activations, gathered
 parameters, pipeline buffers, buckets, workspace) and the optimizer step (its temporaries) — and assumes gradients exist throughout (they do from the first backward of a step on, and across
@@ -137,7 +141,8 @@ def rank_memory(
     # ZeRO shards over the ranks holding the same parameters: dp × cp (``Layout.replicas``)
     cfg, plan, dp = workload.model, layout.plan, layout.replicas
     stages = stages_of_rank(cfg, plan.pp, plan.virtual_stages, pp_rank, plan.pipeline_split)
-    p = sum(s.parameters(cfg, plan.tp) for s in stages)
+    p = sum(s.parameters(cfg, plan.tp, plan.ep) for s in stages)
+    experts = sum(s.expert_parameters(cfg, plan.ep) for s in stages) if plan.ep > 1 else 0
     zero = plan.zero_stage if dp > 1 else 0
     c = workload.compute_bytes
     k = OPTIMIZER_STATES[workload.optimizer]
@@ -167,7 +172,9 @@ def rank_memory(
         # the reducer's flat buffers alive at once (IN_FLIGHT launched and the one being filled, fp32) and,
         # reduce-scattered (ZeRO-1 "elements", dp > 1), each one's output piece (1/dp of it)
         scattered = zero == 1 and plan.zero1_sharding == "elements" and dp > 1
-        comm = min((IN_FLIGHT + 1) * bucket, 4.0 * p) * (1.0 + (1.0 / dp if scattered else 0.0))
+        comm = min((IN_FLIGHT + 1) * bucket, 4.0 * (p - experts)) * (1.0 + (1.0 / dp if scattered else 0.0))
+        if experts and dp > plan.ep:  # the experts' own reducer over edp (ZeRO-0)
+            comm += min((IN_FLIGHT + 1) * bucket, 4.0 * experts)
     else:  # a unit's unsharded gradient before its reduce-scatter
         comm = 4.0 * _largest_unit(workload, layout, stages)
     step = 4.0 * (p if zero == 0 else sharded)  # the optimizer's elementwise temporaries (foreach)
@@ -186,7 +193,7 @@ def rank_memory(
             receive = io * sum(f + b for f, b in held)
         pipeline = receive + io * in_flight * (not stages[-1].last)  # outputs cached until their backward
 
-    workspace = _workspace(acts, stages)
+    workspace = _workspace(acts, stages) + acts.cached_weight_copies(stages)
     return RankMemory(
         pp_rank=pp_rank,
         parameters=parameters,
@@ -221,7 +228,12 @@ def _workspace(acts: ActivationModel, stages: list[Stage]) -> float:
     recomputation and the gradients flowing through it."""
     cfg, plan, c = acts.config, acts.layout.plan, acts.workload.compute_bytes
     n = acts.tokens
-    block = 2 * n * max(cfg.ffn_dim / plan.tp, cfg.d_model) * c  # an activation and its gradient
+    widest = n * max(cfg.ffn_dim / plan.tp, cfg.d_model)
+    if cfg.moe is not None:  # the experts' hidden states over the routed rows, the shared experts'
+        widest = max(
+            n * cfg.d_model, acts.routed_rows * cfg.expert_dim, n * cfg.moe.shared_experts * cfg.expert_dim
+        )
+    block = 2 * widest * c  # an activation and its gradient
     if plan.activation_checkpointing == "full":
         block += acts.block_without_checkpointing_bytes
     if plan.tp > 1:

@@ -29,6 +29,10 @@ PRESETS: dict[str, dict[str, Any]] = {
                        max_seq_len=4096, **_LLAMA),
     "llama3-8b": dict(vocab_size=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden=14336,
                       max_seq_len=8192, rope_theta=500000.0, **_LLAMA),
+    # Jiang et al. 2024 (Mixtral of Experts) and its config.json: 8 experts of Mistral 7B's MLP, top-2
+    "mixtral-8x7b": dict(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden=14336,
+                         max_seq_len=32768, rope_theta=1e6, moe=dict(num_experts=8, top_k=2, aux_loss_coef=0.001),
+                         **_LLAMA),
 }  # fmt: skip
 for _row in megatron_2021_table():  # Narayanan et al. 2021, Table 1: "megatron-1.7b" ... "megatron-1008b"
     _name = f"megatron-{_row.params_billion:g}b"

@@ -6,7 +6,9 @@ chunks (context parallelism exchanges keys/values in every layer, so it stays on
 divisors of what remains (at most one block per stage); dp the rest, dividing the global batch; the micro-batch size among the
 divisors of each replica's share; pipeline schedules 1F1B and interleaved (2 to 8 stages per rank that split the
 blocks evenly), GPipe only when asked for; ZeRO 0-3 (0 with dp = 1; 3 not with pp > 1); sequence
-parallelism on or off with tp > 1; activation checkpointing none, selective or full. The overlap switches
+parallelism on or off with tp > 1; activation checkpointing none, selective or full; for a mixture of experts,
+ep among the divisors of dp that split the experts evenly (what ``check_expert_parallel`` refuses is skipped:
+tp or cp with MoE, ep > 1 beside ZeRO > 0, pp with balancing losses). The overlap switches
 stay at the strategy's defaults (on). Any part can be fixed (``Fixed``); the rest is enumerated.
 
 Ranking: layouts whose predicted memory fits (``ClusterSpec.usable_memory``) by predicted step time, then by
@@ -38,6 +40,7 @@ class Fixed:
     pp: int | None = None
     dp: int | None = None
     cp: int | None = None
+    ep: int | None = None
     zero_stage: int | None = None
     micro_batch_size: int | None = None
     num_microbatches: int | None = None
@@ -63,7 +66,7 @@ class Candidate:
         p = self.layout.plan
         return {
             "layout": {
-                "tp": p.tp, "pp": p.pp, "dp": self.layout.dp, "cp": p.cp, "zero_stage": p.zero_stage,
+                "tp": p.tp, "pp": p.pp, "dp": self.layout.dp, "cp": p.cp, "ep": p.ep, "zero_stage": p.zero_stage,
                 "micro_batch_size": self.layout.micro_batch_size, "num_microbatches": self.layout.microbatches,
                 "accumulation": self.layout.accumulation, "schedule": p.schedule,
                 "virtual_stages": p.virtual_stages, "sequence_parallel": p.sequence_parallel,
@@ -159,7 +162,13 @@ def _plans(
         [fx.sequence_parallel] if fx.sequence_parallel is not None else ([True, False] if tp > 1 else [True])
     )
     acs = [fx.activation_checkpointing] if fx.activation_checkpointing else ["none", "selective", "full"]
-    for schedule, v in schedules:
+    if fx.ep:
+        eps = [fx.ep] if dp % fx.ep == 0 else []
+    elif cfg.moe is not None:
+        eps = [e for e in _divisors(dp) if cfg.moe.num_experts % e == 0]
+    else:
+        eps = [1]
+    for schedule, v, ep in ((s, v, e) for s, v in schedules for e in eps):
         for zero in zeros:
             if zero == 3 and pp > 1:
                 continue
@@ -170,7 +179,7 @@ def _plans(
                 for ac in acs:
                     try:
                         plan = ParallelPlan(
-                            tp=tp, pp=pp, cp=cp, zero_stage=zero, schedule=schedule,  # type: ignore[arg-type]
+                            tp=tp, pp=pp, cp=cp, ep=ep, zero_stage=zero, schedule=schedule,  # type: ignore[arg-type]
                             virtual_stages=v, num_microbatches=m if pp > 1 else None, sequence_parallel=sp,
                             activation_checkpointing=ac,  # type: ignore[arg-type]
                         )  # fmt: skip
@@ -201,6 +210,16 @@ def _why_none(workload: Workload, cluster: ClusterSpec, fx: Fixed) -> str:
             f"{k}={v}" for k, v in (("tp", fx.tp), ("pp", fx.pp), ("dp", fx.dp), ("cp", fx.cp)) if v
         )
         return f"{named} = {fixed_product} does not divide the {gpus} GPUs: a layout uses every GPU"
+    if fx.ep and fx.ep > 1:
+        try:  # what expert parallelism refuses for this model, in its own words
+            ParallelPlan(tp=fx.tp or 1, pp=fx.pp or 1, cp=cp, ep=fx.ep, zero_stage=0,
+                         num_microbatches=fx.num_microbatches).check_gpt_config(workload.model)  # fmt: skip
+        except ValueError as e:
+            return f"--ep {fx.ep}: {e}"
+        if fx.zero_stage:
+            return f"--ep {fx.ep} needs --zero-stage 0: expert parallelism runs beside ZeRO-0 only so far"
+        if fx.dp and fx.dp % fx.ep:
+            return f"--ep {fx.ep} must divide dp={fx.dp}: the expert-parallel ranks are data-parallel ranks"
     if fx.pp and fx.pp > layers:
         return f"pp={fx.pp} is more pipeline stages than the model's {layers} layers"
     if fx.dp and batch % fx.dp:

@@ -5,6 +5,10 @@ The counts follow ``megascale.core.model`` and ``megascale.core.parallel.tensor_
 their biases) are split over tp, norms and the row-parallel output bias are replicated, the embedding and the
 output projection split the padded vocabulary. Pipeline stages follow ``split_blocks`` (rank r holds stages
 r, r + pp, ...; the first stage also holds the embedding, the last the head).
+
+A mixture of experts (``GPTConfig.moe``, ``model/moe.py``) replaces the MLP by a router (E × D, no bias), the
+routed experts' stacked gate/up/down (E × F_e × D each, no bias) and the shared experts' MLP; under expert
+parallelism (``ep``) a rank holds E/ep of the routed experts (``parallel/ep``), everything else whole.
 """
 
 from __future__ import annotations
@@ -15,7 +19,15 @@ from functools import lru_cache
 from megascale.core.config import GPTConfig
 from megascale.core.parallel.plan import split_blocks
 
-__all__ = ["Stage", "block_parameters", "embedding_parameters", "head_parameters", "stages_of_rank"]
+__all__ = [
+    "Stage",
+    "block_parameters",
+    "embedding_parameters",
+    "expert_parameters",
+    "head_parameters",
+    "model_parameters",
+    "stages_of_rank",
+]
 
 
 def _norm(config: GPTConfig, dim: int) -> int:
@@ -34,22 +46,45 @@ def head_parameters(config: GPTConfig, tp: int, tied: bool = False) -> int:
     return _norm(config, config.d_model) + proj
 
 
-def block_parameters(config: GPTConfig, tp: int) -> int:
-    """One block's parameters on one tp rank (split projections / tp, replicated norms and output bias)."""
-    d, f = config.d_model, config.ffn_dim
-    q, kv = config.n_heads * config.head_dim, config.kv_heads * config.head_dim
+def expert_parameters(config: GPTConfig, ep: int = 1) -> int:
+    """One MoE layer's routed experts on one of ``ep`` expert-parallel ranks (0 without a mixture of experts):
+    E/ep experts of gate/up/down (SwiGLU) or up/down (GeLU), no biases."""
+    if config.moe is None:
+        return 0
+    projections = 3 if config.activation == "swiglu" else 2
+    return config.moe.num_experts // ep * projections * config.d_model * config.expert_dim
+
+
+def _mlp(config: GPTConfig, width: int) -> tuple[int, int]:
+    """(weights and biases split over tp, the output bias) of an MLP ``width`` wide."""
     mlp_in = 2 if config.activation == "swiglu" else 1
-    split = d * (q + 2 * kv) + mlp_in * d * f + (q + f) * d  # q, k, v, gate/up, o, down weights
-    if config.bias:
-        split += q + 2 * kv + mlp_in * f
-    elif config.qkv_bias:
+    split = (mlp_in + 1) * config.d_model * width + (mlp_in * width if config.bias else 0)
+    return split, config.d_model if config.bias else 0
+
+
+def block_parameters(config: GPTConfig, tp: int, ep: int = 1) -> int:
+    """One block's parameters on one tp rank (split projections / tp, replicated norms and output bias); with a
+    mixture of experts, the router, E/``ep`` routed experts and the shared experts' MLP in the MLP's place."""
+    d = config.d_model
+    q, kv = config.n_heads * config.head_dim, config.kv_heads * config.head_dim
+    split = d * (q + 2 * kv) + q * d  # q, k, v, o weights
+    if config.bias or config.qkv_bias:
         split += q + 2 * kv
     replicated = _norm(config, d) * (1 if config.parallel_block else 2)
-    if config.bias:  # the output projections' bias, added once after the reduction
-        replicated += d * (1 if config.parallel_block else 2)
+    if config.bias:  # the attention output projection's bias, added once after the reduction
+        replicated += d
     if config.qk_norm:
         replicated += 2 * _norm(config, config.head_dim)
-    return split // tp + replicated
+    if config.moe is None:
+        mlp, mlp_bias = _mlp(config, config.ffn_dim)
+        split += mlp
+        if not config.parallel_block:  # the parallel block's one output projection has one bias
+            replicated += mlp_bias
+        return split // tp + replicated
+    moe = config.moe
+    routed = d * moe.num_experts + expert_parameters(config, ep)
+    shared = sum(_mlp(config, moe.shared_experts * config.expert_dim)) if moe.shared_experts else 0
+    return split // tp + replicated + routed + shared
 
 
 @dataclass(frozen=True)
@@ -61,14 +96,32 @@ class Stage:
     first: bool
     last: bool
 
-    def parameters(self, config: GPTConfig, tp: int) -> int:
-        """Parameters of this stage on one tp rank."""
-        n = len(self.blocks) * block_parameters(config, tp)
+    def parameters(self, config: GPTConfig, tp: int, ep: int = 1) -> int:
+        """Parameters of this stage on one tp rank (of ``ep`` expert-parallel ranks)."""
+        n = len(self.blocks) * block_parameters(config, tp, ep)
         if self.first:
             n += embedding_parameters(config, tp)
         if self.last:
             n += head_parameters(config, tp, tied=config.tie_embeddings and self.first)
         return n
+
+    def expert_parameters(self, config: GPTConfig, ep: int = 1) -> int:
+        """Of ``parameters``: the routed experts' (split over ep; replicated over the edp ranks)."""
+        return len(self.blocks) * expert_parameters(config, ep)
+
+
+def model_parameters(config: GPTConfig, active: bool = False) -> int:
+    """The whole model's parameters (``GPT.num_parameters``); ``active``: with a mixture of experts, those one
+    token uses, top_k of each layer's routed experts (``GPT.num_parameters(active=True)``)."""
+    n = stages_of_rank(config, 1, 1, 0)[0].parameters(config, 1)
+    if active and config.moe is not None:
+        n -= (
+            config.n_layers
+            * expert_parameters(config)
+            * (config.moe.num_experts - config.moe.top_k)
+            // config.moe.num_experts
+        )
+    return n
 
 
 def stages_of_rank(

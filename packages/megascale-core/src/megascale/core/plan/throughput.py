@@ -24,6 +24,16 @@ Per microbatch and block on one GPU (N = b·s tokens, t = tp; Narayanan et al. 2
   b·s·2·KV·hd/t elements over the cp group forward and reduce-scatters their gradients backward; a windowed
   layer sends and receives the halo's tails point to point (at most 2·(w − 1) tokens, both ways). The
   gradients are reduced, and ZeRO shards, over dp × cp ranks.
+- Mixture of experts (``GPTConfig.moe``): the GEMMs of the active parameters (router, top-k routed experts
+  of width F_e on each token, shared experts), the experts' activation over the N·k routed rows and the
+  dispatch's row copies (gather, un-sort, weighted combination). Expert parallelism (ep > 1, ``parallel/ep``):
+  per MoE layer and microbatch, forward an all-to-all of the routing counts and two of the routed rows (out to
+  the experts' ranks and back), backward two of their gradients, each N·k·D elements of the compute dtype per
+  rank of which (ep - 1)/ep leave it; under uniform routing (every rank computes N·k rows on average; a skewed
+  router makes the busiest rank wait longer). Not overlapped with compute yet: all exposed (``ep_comm``), and
+  repeated by full recomputation. The ep ranks are consecutive data-parallel ranks (tp·pp·cp apart); the
+  experts' gradients are all-reduced over the edp = dp/ep ranks holding the same experts, beside the dense
+  ones' reduction over dp.
 - Pipeline: a step takes (M + (P-1)/V)·t_mb, t_mb being the slowest pipeline rank's time per microbatch (the
   last stage also computes the logits): the bubble (P-1)/(V·M) of Narayanan et al. 2021 §2.2, taken on the
   mean rank. Activations between stages go tp-scattered over the network (their §4.1); megascale's decoupled
@@ -38,7 +48,7 @@ Per microbatch and block on one GPU (N = b·s tokens, t = tp; Narayanan et al. 2
   write three, and the clipping norm's read).
 
 Model FLOPs (what tokens/s, TFLOP/s per GPU and MFU are computed from) are ``GPT.flops_per_token``'s: the
-training FLOPs of the model, without recomputation.
+training FLOPs of the model, without recomputation (on the active parameters of a mixture of experts).
 """
 
 from __future__ import annotations
@@ -49,7 +59,14 @@ from megascale.core.config import GPTConfig
 from megascale.core.model.gpt import flops_per_token
 from megascale.core.parallel.plan import ParallelPlan
 from megascale.core.plan.cluster import ClusterSpec
-from megascale.core.plan.comm import Group, all_reduce_time, call_latency, gather_time, p2p_time
+from megascale.core.plan.comm import (
+    Group,
+    all_reduce_time,
+    all_to_all_time,
+    call_latency,
+    gather_time,
+    p2p_time,
+)
 from megascale.core.plan.layout import OPTIMIZER_STATES, Layout, Workload
 from megascale.core.plan.schedule import bubble_fraction
 from megascale.core.plan.shapes import Stage, block_parameters, stages_of_rank
@@ -74,6 +91,7 @@ class StepEstimate:
     gpus: int
     peak_flops: float  # per GPU
     cp_comm: float = 0.0  # the key/value exchange of context parallelism
+    ep_comm: float = 0.0  # expert parallelism's all-to-alls (not overlapped)
 
     @property
     def tokens_per_s(self) -> float:
@@ -91,7 +109,7 @@ class StepEstimate:
     def limiter(self) -> str:
         """The largest cost beside the model's own compute (what to attack next), or "compute" when none
         reaches 2% of the step."""
-        parts = {"bubble": self.bubble, "tp_comm": self.tp_comm, "cp_comm": self.cp_comm, "pp_comm": self.pp_comm,
+        parts = {"bubble": self.bubble, "tp_comm": self.tp_comm, "cp_comm": self.cp_comm, "ep_comm": self.ep_comm, "pp_comm": self.pp_comm,
                  "dp_comm": self.dp_comm, "recompute": self.recompute, "optimizer": self.optimizer}  # fmt: skip
         worst = max(parts, key=lambda k: parts[k])
         return worst if parts[worst] >= 0.02 * self.step_time else "compute"
@@ -104,10 +122,17 @@ class StepEstimate:
 
 
 def block_matmul_parameters(config: GPTConfig) -> int:
-    """Weights of one block's projections (q, k, v, o, the MLP), as ``flops_per_token`` counts them."""
+    """Weights of one block's projections (q, k, v, o, the MLP), as ``flops_per_token`` counts them: with a
+    mixture of experts the active ones (the router, top_k routed and the shared experts)."""
     d, f = config.d_model, config.ffn_dim
     q, kv = config.n_heads * config.head_dim, config.kv_heads * config.head_dim
-    return d * (q + 2 * kv) + q * d + (3 if config.activation == "swiglu" else 2) * d * f
+    projections = 3 if config.activation == "swiglu" else 2
+    if config.moe is None:
+        return d * (q + 2 * kv) + q * d + projections * d * f
+    experts = config.moe.top_k + config.moe.shared_experts
+    return (
+        d * (q + 2 * kv) + q * d + projections * d * config.expert_dim * experts + d * config.moe.num_experts
+    )
 
 
 def _keys(config: GPTConfig, layer: int, seq_len: int, full_square: bool) -> float:
@@ -208,10 +233,18 @@ class _Model:
         norm = nr * d * (2 * r + (r + c if c != r else 0)) * (1 if fused else 3)
         mask = 1 if cfg.dropout > 0 else 0
         add = nr * d * (2 * r + c + mask)
+        dispatch = 0.0
+        if cfg.moe is not None:  # the experts' hidden states over the routed rows, the shared experts'
+            moe = cfg.moe
+            f = moe.top_k * cfg.expert_dim + moe.shared_experts * cfg.expert_dim  # per token
+            rows = n * moe.top_k
+            # rows gathered (read, write), outputs un-sorted (read, write), combined (read); fp32 scores
+            dispatch = 5 * rows * d * c + 3 * n * moe.num_experts * 4
         if cfg.activation == "swiglu":
             act = n * f * c * (3 if k.activation == "fused" else 5)
         else:
             act = n * f * c * (2 if k.activation == "fused" else 4)
+        act += dispatch
         rope = 2 * n * (heads + kv) * hd * c * (1 if k.norm == "fused" else 4)
         scores = self.b * heads * self.s * self.s / self.plan.cp
         if k.attention == "unfused":  # fused scale-mask-softmax, then dropout
@@ -271,9 +304,20 @@ class _Model:
         across = self.t * cp > self.c.gpus_per_node
         return 2 * p2p_time(self.b * tokens * per_token, across, self.c)
 
-    def stage_time(self, stage: Stage) -> tuple[float, float, float, float, float]:
-        """(forward, backward, recomputation, exposed TP communication, CP communication) seconds of one
-        microbatch."""
+    def ep_time(self) -> tuple[float, float]:
+        """Seconds of one MoE block's all-to-alls of one microbatch, (forward, backward); 0 at ep 1. Forward:
+        the routing counts (latency only), the routed rows out and their outputs back; backward: their
+        gradients both ways."""
+        ep, moe = self.plan.ep, self.cfg.moe
+        if ep == 1 or moe is None:
+            return 0.0, 0.0
+        group = Group.of(ep, self.t * self.plan.pp * self.plan.cp, self.c.gpus_per_node)
+        rows = all_to_all_time(self.n * moe.top_k * self.cfg.d_model * self.cb, group, self.c)
+        return all_to_all_time(0.0, group, self.c) + 2 * rows, 2 * rows
+
+    def stage_time(self, stage: Stage) -> tuple[float, float, float, float, float, float]:
+        """(forward, backward, recomputation, exposed TP communication, CP communication, EP communication)
+        seconds of one microbatch."""
         ac = self.plan.activation_checkpointing
         fwd = bwd = rec = 0.0
         tp_group = Group.of(self.t, 1, self.c.gpus_per_node)
@@ -283,6 +327,8 @@ class _Model:
         calls = self.tp_latency()
         lat_f, lat_b = calls.get("block", (0.0, 0.0))
         tp_total = cp_total = 0.0
+        ep_f, ep_b = self.ep_time()  # full recomputation repeats the forward's
+        ep_total = len(stage.blocks) * (ep_f * (2 if ac == "full" else 1) + ep_b)
         for layer in stage.blocks:
             cp_total += self.cp_time(layer) * (1.5 if ac == "full" or ac == "selective" else 1.0)
             window = self.cfg.window_for_layer(layer)  # blocks differ only by their attention window
@@ -309,7 +355,7 @@ class _Model:
                 tp_total += 2 * unit_time + sum(calls.get(name, (0.0, 0.0)))
         hidden = self.plan.overlap_tp_comm and self.c.gpu.overlap
         exposed_tp = tp_total / self.plan.tp_comm_chunks if hidden else tp_total
-        return fwd, bwd, rec, exposed_tp, cp_total
+        return fwd, bwd, rec, exposed_tp, cp_total, ep_total
 
     def p2p_time(self) -> float:
         """Seconds of one activation (or gradient) crossing a stage boundary: each of the tp ranks sends its
@@ -327,7 +373,7 @@ def predict_step(workload: Workload, layout: Layout, cluster: ClusterSpec) -> St
     model = _Model(workload, layout, cluster)
     m, p, v = layout.microbatches, plan.pp, plan.virtual_stages if plan.pp > 1 else 1
     per_rank = []
-    cache: dict[object, tuple[float, float, float, float, float, int]] = {}
+    cache: dict[object, tuple[float, float, float, float, float, float, int]] = {}
     windows = cfg.sliding_window is not None
     for r in range(p):
         stages = stages_of_rank(cfg, p, plan.virtual_stages, r, plan.pipeline_split)
@@ -335,12 +381,20 @@ def predict_step(workload: Workload, layout: Layout, cluster: ClusterSpec) -> St
         key = tuple((s.blocks if windows else len(s.blocks), s.first, s.last) for s in stages)
         if key not in cache:
             times = [model.stage_time(s) for s in stages]
-            fwd, bwd, rec, tp, cpc = (sum(t[i] for t in times) for i in range(5))
-            cache[key] = (fwd, bwd, rec, tp, cpc, sum(s.parameters(cfg, plan.tp) for s in stages))
+            fwd, bwd, rec, tp, cpc, epc = (sum(t[i] for t in times) for i in range(6))
+            cache[key] = (
+                fwd,
+                bwd,
+                rec,
+                tp,
+                cpc,
+                epc,
+                sum(s.parameters(cfg, plan.tp, plan.ep) for s in stages),
+            )
         per_rank.append(cache[key])
-    t_mb = [f + b + rc + tp + cpc for f, b, rc, tp, cpc, _ in per_rank]
+    t_mb = [f + b + rc + tp + cpc + epc for f, b, rc, tp, cpc, epc, _ in per_rank]
     slowest = max(range(p), key=lambda r: t_mb[r])
-    fwd, bwd, rec, tp, cpc, params = per_rank[slowest]
+    fwd, bwd, rec, tp, cpc, epc, params = per_rank[slowest]
     bubble = bubble_fraction(plan.schedule, p, m, v) * m * sum(t_mb) / p  # the mean rank's idle time
 
     pp_comm = 0.0
@@ -351,18 +405,27 @@ def predict_step(workload: Workload, layout: Layout, cluster: ClusterSpec) -> St
 
     slowest_stages = stages_of_rank(cfg, p, plan.virtual_stages, slowest, plan.pipeline_split)
     calls = _dp_calls(workload, layout, slowest_stages)
-    dp_comm = _data_parallel(workload, layout, cluster, params, fwd, bwd, calls)
+    experts = sum(s.expert_parameters(cfg, plan.ep) for s in slowest_stages) if plan.ep > 1 else 0
+    dp_comm = _data_parallel(workload, layout, cluster, params - experts, fwd, bwd, calls)
+    if experts:  # the experts' gradients, all-reduced over the edp ranks holding the same ones (ZeRO-0)
+        edp = Group.of(
+            layout.replicas // plan.ep, plan.tp * plan.pp * plan.cp * plan.ep, cluster.gpus_per_node
+        )
+        reduce = all_reduce_time(experts * workload.runtime.reduce_bytes, edp, cluster)
+        bucket = min(1.0, plan.bucket_size_mb * 2**20 / max(experts * workload.runtime.reduce_bytes, 1.0))
+        overlap = plan.overlap_grad_reduce and cluster.gpu.overlap
+        dp_comm += max(reduce - bwd, reduce * bucket) if overlap else reduce
     k = OPTIMIZER_STATES[workload.optimizer]
     stepped = params / layout.replicas if (plan.zero_stage >= 1 and layout.replicas > 1) else params
     hbm = cluster.gpu.memory_bandwidth * cluster.gpu.memory_efficiency
     optimizer = stepped * (4 * (3 + 2 * k) + 4) / hbm  # read p, g, states; write p, states; the clip's read
     compute = m * (fwd + bwd + rec)
-    step = compute + m * tp + m * cpc + bubble + pp_comm + dp_comm + optimizer
+    step = compute + m * tp + m * cpc + m * epc + bubble + pp_comm + dp_comm + optimizer
     tokens = layout.global_batch * workload.seq_len
     return StepEstimate(
         step_time=step, compute=compute, recompute=m * rec, bubble=bubble, tp_comm=m * tp, pp_comm=pp_comm,
         dp_comm=dp_comm, optimizer=optimizer, tokens=tokens, model_flops=flops_per_token(cfg, workload.seq_len) * tokens,
-        gpus=layout.gpus, peak_flops=cluster.gpu.peak_flops, cp_comm=m * cpc,
+        gpus=layout.gpus, peak_flops=cluster.gpu.peak_flops, cp_comm=m * cpc, ep_comm=m * epc,
     )  # fmt: skip
 
 
@@ -382,6 +445,11 @@ def _dp_calls(workload: Workload, layout: Layout, stages: list[Stage]) -> int:
     d, t, el = cfg.d_model, plan.tp, workload.runtime.reduce_bytes
     q, kv, f = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.ffn_dim
     block = [d * f, d * f] + ([d * f] if cfg.activation == "swiglu" else []) + [q * d, d * kv, d * kv, d * q]
+    if cfg.moe is not None:  # shared experts, routed experts (with ep > 1 in a reducer of their own), router
+        mlp = (3 if cfg.activation == "swiglu" else 2) * d
+        experts = [] if plan.ep > 1 else [cfg.moe.num_experts * cfg.expert_dim * d] * (mlp // d)
+        shared = [cfg.moe.shared_experts * cfg.expert_dim * d] * (mlp // d) if cfg.moe.shared_experts else []
+        block = shared + experts + [cfg.moe.num_experts * d] + block[-4:]
     vocab = cfg.padded_vocab_size * d
     tensors: list[float] = []
     for s in reversed(stages):
