@@ -98,6 +98,8 @@ def _train(model: GPT, runtime: Any, dp_rank: int, dp: int) -> dict[str, Any]:
         losses.append(float(value))
         norms.append(float(norm))
         loads.append(counts)
+    if runtime is not None:
+        runtime.zero.wait_for_params()  # ZeRO-1: the last step's new values, broadcast by their owners
     return {"losses": losses, "norms": norms, "loads": loads}
 
 
@@ -145,10 +147,12 @@ def _compare(got: dict[str, Any], want: dict[str, Any], name: str) -> None:
 TWO_RANKS = [
     (dict(ep=2, zero_stage=0), True),  # every expert on one of the two ranks, no expert replicas
     (dict(zero_stage=1), True),  # ep=1: experts are dense parameters, ZeRO-1 shards them like the rest
+    (dict(ep=2, zero_stage=1, zero1_sharding="parameters"), True),  # dense states by owner over dp
 ]
 FOUR_RANKS = [
     (dict(ep=4, zero_stage=0), True),  # one expert per rank
     (dict(ep=2, zero_stage=0), True),  # ep2 x edp2: experts averaged over their two replicas
+    (dict(ep=2, zero_stage=1, zero1_sharding="parameters"), True),  # experts' states by owner over edp
     (dict(ep=2, pp=2, zero_stage=0, num_microbatches=2), False),  # bias balancing only (no loss under pp)
 ]
 
@@ -178,7 +182,8 @@ def test_every_expert_parallel_layout_trains_like_one_process(world: int, layout
         (dict(tp=2), {}, "a mixture of experts with tp=2 is not supported yet"),
         (dict(cp=2), {}, "a mixture of experts with cp=2 is not supported yet"),
         (dict(pp=2), {}, "balancing losses with pp=2 are not supported yet"),
-        (dict(ep=2, zero_stage=1), {}, "ep=2 with zero_stage=1 is not supported yet"),
+        (dict(ep=2, zero_stage=1), {}, "ep=2 with zero_stage=1 needs zero1_sharding='parameters'"),
+        (dict(ep=2, zero_stage=3), {}, "ep=2 with zero_stage=3 is not supported yet"),
     ],
 )
 def test_what_a_mixture_of_experts_layout_cannot_do_is_refused_by_name(

@@ -37,6 +37,7 @@ def test_an_expert_parallel_fit_matches_one_process(tmp_path) -> None:
     jobs = [
         job("ep2", dict(ep=2, zero_stage=0), 2),
         job("ep2 accumulate=2", dict(ep=2, zero_stage=0), 2, accumulate=2),
+        job("ep2/zero1 by parameters", dict(ep=2, zero_stage=1, zero1_sharding="parameters"), 2),
         job("dp2/zero1", dict(zero_stage=1), 2),  # ep=1: the experts are ordinary parameters
     ]
     results = fit(jobs, 2, tmp_path / "two")

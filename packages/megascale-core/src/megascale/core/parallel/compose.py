@@ -59,7 +59,7 @@ from megascale.core.parallel.mesh import MESH_DIMS, ParallelDims
 from megascale.core.parallel.plan import ParallelPlan
 from megascale.core.parallel.rng import ModelParallelRNG
 from megascale.core.parallel.wait_timer import WaitTimed, WaitTimer
-from megascale.core.parallel.zero import UnitTree, ZeroRuntime, apply_zero, average_gradients
+from megascale.core.parallel.zero import UnitTree, ZeroRuntime, apply_zero, apply_zero_to_params
 
 if TYPE_CHECKING:
     from megascale.core.parallel.pipeline import Pipeline, StageModule  # torch pipelining: imported when used
@@ -253,7 +253,7 @@ def parallelize(
             zero1_sharding=plan.zero1_sharding, exclude=experts,
         )  # fmt: skip
         if edp_mesh is not None:
-            zero = _expert_replicas(zero, experts, edp_mesh, plan, stages)
+            zero = _expert_replicas(zero, experts, edp_mesh, plan, trees, module)
     tp_layers: list[WaitTimed] = []
     if dims.tp > 1:  # found after the pipeline split: only this rank's stages
         from megascale.core.parallel.tensor_parallel import tp_layers as find_tp_layers
@@ -497,15 +497,18 @@ def _apply_expert_parallel(
 
 
 def _expert_replicas(
-    dense: ZeroRuntime, experts: list[nn.Parameter], edp_mesh: DeviceMesh, plan: ParallelPlan, stages: list
-) -> ZeroRuntime:
+    dense: ZeroRuntime, experts: list[nn.Parameter], edp_mesh: DeviceMesh, plan: ParallelPlan,
+    trees: list[UnitTree], root: nn.Module,
+) -> ZeroRuntime:  # fmt: skip
     from megascale.core.parallel.ep.apply import ExpertReplicas
 
     if edp_mesh.size() == 1:
         return ExpertReplicas(dense, None, experts, plan.ep, None)
-    held = average_gradients(
-        experts, edp_mesh, bucket_size_mb=plan.bucket_size_mb, overlap=plan.overlap_grad_reduce,
-        accumulations=plan.microbatches if stages else 1,
+    held = apply_zero_to_params(
+        experts, edp_mesh, stage=plan.zero_stage, root=root,
+        units=[m for t in trees for m in (t.root, *t.layers())], bucket_size_mb=plan.bucket_size_mb,
+        overlap_grad_reduce=plan.overlap_grad_reduce, overlap_param_gather=plan.overlap_param_gather,
+        accumulations=plan.microbatches if plan.pp > 1 else 1,
     )  # fmt: skip
     return ExpertReplicas(dense, held, experts, plan.ep, edp_mesh.get_group())
 

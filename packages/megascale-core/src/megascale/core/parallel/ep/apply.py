@@ -13,7 +13,7 @@ gradient (one process on the union batch).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from typing import TYPE_CHECKING
 
@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.optim import Optimizer
 
 from megascale.core.model.gpt import GPT
 from megascale.core.model.moe import moe_layers
@@ -68,10 +69,17 @@ def check_expert_parallel(config: GPTConfig, plan: ParallelPlan) -> None:
             "does not return them to the loss); set aux_loss_coef=0 and z_loss_coef=0 (bias_update_rate "
             "balances without a loss) or use pp=1"
         )
-    if plan.ep > 1 and plan.zero_stage > 0:
+    if plan.ep > 1 and plan.zero_stage > 1:
         raise ValueError(
-            f"ep={plan.ep} with zero_stage={plan.zero_stage} is not supported yet: experts are averaged over "
-            "their own replicas, which only ZeRO-0 does so far; use zero_stage=0"
+            f"ep={plan.ep} with zero_stage={plan.zero_stage} is not supported yet: experts are sharded over "
+            "their own replicas, which only ZeRO-0 and ZeRO-1 do so far; use zero_stage=1 with "
+            "zero1_sharding='parameters', or zero_stage=0"
+        )
+    if plan.ep > 1 and plan.zero_stage == 1 and plan.zero1_sharding != "parameters":
+        raise ValueError(
+            f"ep={plan.ep} with zero_stage=1 needs zero1_sharding='parameters' (each parameter's optimizer state "
+            "on one owner): with 'elements' the experts' gradient pieces, scattered over other ranks than the "
+            "dense ones', would be counted wrongly by the global gradient norm; or use zero_stage=0"
         )
 
 
@@ -120,9 +128,9 @@ def broadcast_expert_replicas(params: list[nn.Parameter], edp_mesh: DeviceMesh) 
 
 
 class ExpertReplicas(ZeroRuntime):
-    """The dense parameters' ZeRO (``dense``) beside the experts' gradient averaging: each expert gradient
-    divided by ep (a hook, as it is accumulated) and, where several ranks hold the same experts, averaged over
-    them in buckets like ZeRO-0's (``experts``). Every hook of ``ZeroRuntime`` reaches both."""
+    """The dense parameters' ZeRO (``dense``) beside the experts': each expert gradient divided by ep (a hook,
+    as it is accumulated) and, where several ranks hold the same experts, averaged over them (and, at ZeRO-1,
+    their optimizer state sharded over them) by ``experts``. Every hook of ``ZeroRuntime`` reaches both."""
 
     checkpoint_partial = True  # ep ranks hold different experts
 
@@ -146,6 +154,36 @@ class ExpertReplicas(ZeroRuntime):
     def after_backward(self) -> None:
         for runtime in self._each():
             runtime.after_backward()
+
+    def attach_optimizers(self, optimizers: Sequence[Optimizer]) -> None:
+        for runtime in self._each():
+            runtime.attach_optimizers(optimizers)
+
+    def before_optimizer_step(self, optimizer: Optimizer) -> None:
+        for runtime in self._each():
+            runtime.before_optimizer_step(optimizer)
+
+    def after_optimizer_step(self, optimizer: Optimizer) -> None:
+        for runtime in self._each():
+            runtime.after_optimizer_step(optimizer)
+
+    def wait_for_params(self) -> None:
+        for runtime in self._each():
+            runtime.wait_for_params()
+
+    def prepare_optimizer_state(self, optimizer: Optimizer) -> None:
+        for runtime in self._each():
+            runtime.prepare_optimizer_state(optimizer)
+
+    def holds_all_optimizer_states(self, optimizer: Optimizer) -> bool:
+        return all(runtime.holds_all_optimizer_states(optimizer) for runtime in self._each())
+
+    def grad_sum_group(self) -> dist.ProcessGroup | None:
+        return self.dense.grad_sum_group()  # None: check_expert_parallel refuses ZeRO-1 by elements
+
+    def set_whole_gradients(self, whole: bool) -> None:
+        for runtime in self._each():
+            runtime.set_whole_gradients(whole)
 
     def replica_group(self) -> dist.ProcessGroup | None:
         # the ranks holding this rank's whole state: the same experts and (ZeRO-0) the same dense parameters

@@ -58,7 +58,7 @@ __all__ = [
     "UnitTree",
     "ZeroRuntime",
     "apply_zero",
-    "average_gradients",
+    "apply_zero_to_params",
 ]
 
 
@@ -266,6 +266,7 @@ class _ShardedOptimizerState(_ReplicatedGradients):
                 overlap_param_gather=self.overlap_param_gather,
                 bucket_size_mb=self.bucket_size_mb,
                 units=self.units,
+                covers=self.reduce.covers,
             )
             for opt in optimizers
         }
@@ -383,8 +384,11 @@ def apply_zero(
     if dp_mesh.size() == 1:
         return ZeroRuntime()
     excluded = {id(p) for p in exclude}
-    if excluded and stage != 0:
-        raise ValueError(f"ZeRO-{stage} cannot leave parameters out (exclude): only stage 0 can")
+    if excluded and not (stage == 0 or (stage == 1 and zero1_sharding == "parameters")):
+        raise ValueError(
+            f"ZeRO-{stage}{' with zero1_sharding=' + repr(zero1_sharding) if stage == 1 else ''} cannot leave "
+            "parameters out (exclude): only stage 0 and stage 1 by parameters can"
+        )
     params = [p for p in _unique_params(t.root for t in trees) if id(p) not in excluded]
     group = dp_mesh.get_group()
     if stage == 0:
@@ -422,16 +426,28 @@ def apply_zero(
     raise ValueError(f"ZeRO stage {stage!r} must be 0, 1, 2 or 3")
 
 
-def average_gradients(
-    params: Sequence[nn.Parameter], dp_mesh: DeviceMesh, *, bucket_size_mb: float = 25.0, overlap: bool = True,
-    accumulations: int = 1,
+def apply_zero_to_params(
+    params: Sequence[nn.Parameter], dp_mesh: DeviceMesh, *, stage: int, root: nn.Module,
+    units: Sequence[nn.Module] = (), bucket_size_mb: float = 25.0, overlap_grad_reduce: bool = True,
+    overlap_param_gather: bool = True, accumulations: int = 1,
 ) -> ZeroRuntime:  # fmt: skip
-    """ZeRO-0 over ``params`` alone: their gradients averaged over ``dp_mesh`` in buckets, during backward
-    (``overlap``); for parameters replicated over another group than the model's (experts over "edp")."""
+    """ZeRO over ``params`` alone, for parameters replicated over another group than the model's (a mixture of
+    experts' experts over "edp"): stage 0 (gradients averaged over ``dp_mesh`` in buckets) or stage 1 by
+    parameters (also each parameter's optimizer state kept by one owner, which broadcasts its new values;
+    ``root`` and ``units`` wait for them as in ``apply_zero``)."""
     if dp_mesh.size() == 1:
         return ZeroRuntime()
-    return _ReplicatedGradients(list(params), dp_mesh.get_group(), bucket_size_mb=bucket_size_mb,
-                                overlap=overlap, accumulations=accumulations)  # fmt: skip
+    group = dp_mesh.get_group()
+    if stage == 0:
+        return _ReplicatedGradients(list(params), group, bucket_size_mb=bucket_size_mb,
+                                    overlap=overlap_grad_reduce, accumulations=accumulations)  # fmt: skip
+    if stage == 1:
+        return _ShardedOptimizerState(
+            list(params), group, root=root, units=list(units), bucket_size_mb=bucket_size_mb,
+            overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather,
+            accumulations=accumulations,
+        )  # fmt: skip
+    raise ValueError(f"ZeRO-{stage} over some parameters alone is not built: stages 0 and 1 (by parameters)")
 
 
 def _unique_params(roots: Iterator[nn.Module] | Sequence[nn.Module]) -> Iterator[nn.Parameter]:

@@ -117,6 +117,8 @@ class OptimizerStateSharding:
         units: modules whose forward pre-hooks wait for their subtree's parameters (minus nested units');
             each must read only parameters of its own subtree. None: ``module.layers()`` if the module has
             such a method (a megascale GPT), else ``module`` alone. ``module`` is always a unit.
+        covers: which of the optimizer's parameters this sharding takes (None: all); the others are left to
+            another one over another group (a mixture of experts' experts, replicated over fewer ranks).
     """
 
     def __init__(
@@ -128,6 +130,7 @@ class OptimizerStateSharding:
         overlap_param_gather: bool = True,
         bucket_size_mb: float = 25.0,
         units: Iterable[nn.Module] | None = None,
+        covers: Callable[[Tensor], bool] | None = None,
     ) -> None:
         if bucket_size_mb <= 0:
             raise ValueError(f"bucket_size_mb must be > 0, got {bucket_size_mb}")
@@ -137,6 +140,7 @@ class OptimizerStateSharding:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.overlap_param_gather = overlap_param_gather
+        self._covers = covers
         self._capacity = int(bucket_size_mb * _MIB)
         self.params: list[Tensor] = []
         self._owner: dict[int, int] = {}
@@ -165,7 +169,7 @@ class OptimizerStateSharding:
         if signature == self._signature:
             return
         self.wait()
-        self.params = optimizer_params(self.optimizer)
+        self.params = [p for p in optimizer_params(self.optimizer) if self._covers is None or self._covers(p)]
         self._owner = self._assign_owners()
         self.buckets = self._make_buckets(self._capacity)
         for handle in self._handles:
