@@ -22,12 +22,12 @@ CONFIG = dict(vocab_size=100, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, m
               pad_vocab_to_multiple_of=64, parallel_block=True, moe=MOE)  # fmt: skip
 
 
-def job(name: str, strategy: dict | None, dp: int, *, accumulate: int = 1) -> dict:
+def job(name: str, strategy: dict | None, dp: int, *, accumulate: int = 1, steps: int = 4, **extra) -> dict:
     micro = GLOBAL_BATCH // (dp * accumulate)
     return dict(
         name=name, strategy=strategy, config=CONFIG, module=MODULE,
         data=dict(source="random:100", seq_len=16, batch_size=micro, max_bytes=40_000, shuffle=True),
-        trainer=dict(max_steps=4, gradient_clip_val=0.05, accumulate_grad_batches=accumulate),
+        trainer=dict(max_steps=steps, gradient_clip_val=0.05, accumulate_grad_batches=accumulate), **extra,
     )  # fmt: skip
 
 
@@ -53,3 +53,42 @@ def test_an_expert_parallel_fit_matches_one_process(tmp_path) -> None:
             for k in reference["weights"]
         )
         assert worst <= WEIGHT_TOL, f"{name}: weights differ by up to {worst:.2e} ({where})"
+
+
+def test_an_expert_parallel_checkpoint_resumes_on_one_process_and_under_another_layout(tmp_path) -> None:
+    """Saved after step 2 of 4 at ep2 ZeRO-1 (experts split over the ranks, their optimizer states by owner),
+    resumed at dp2 with ep=1 and on one process: both end as one process running all 4 steps (losses of steps
+    3-4, weights, router biases, AdamW's moments and step)."""
+    saved = str(tmp_path / "ep2-step2.ckpt")
+    ep2 = dict(ep=2, zero_stage=1, zero1_sharding="parameters")
+    runs2 = fit(
+        [
+            job("save ep2", ep2, 2, steps=2, save_at_end=saved),
+            job("dp2 <- ep2", dict(zero_stage=0), 2, resume_from=saved, optimizer_state=True),
+        ],
+        2,
+        tmp_path / "two",
+    )
+    runs1 = fit(
+        [job("one process", None, 1, optimizer_state=True),
+         job("one process <- ep2", dict(), 1, resume_from=saved, optimizer_state=True)],
+        1,
+        tmp_path / "one",
+    )  # fmt: skip
+    reference = runs1.pop("one process")
+    assert runs2["save ep2"]["losses"] == pytest.approx(reference["losses"][:2], abs=LOSS_TOL)
+    for name, result in [
+        ("dp2 <- ep2", runs2["dp2 <- ep2"]),
+        ("one process <- ep2", runs1["one process <- ep2"]),
+    ]:
+        assert result["losses"] == pytest.approx(reference["losses"][2:], abs=LOSS_TOL), name
+        worst = max(
+            (result["weights"][k] - reference["weights"][k]).abs().max().item() for k in reference["weights"]
+        )
+        assert worst <= WEIGHT_TOL, f"{name}: weights differ by up to {worst:.2e}"
+        state, want = result["optimizer"], reference["optimizer"]
+        assert state.keys() == want.keys(), name
+        for key, value in want.items():
+            assert (state[key] - value).abs().max().item() <= 1e-4 * max(value.abs().max().item(), 1e-12), (
+                f"{name}: {key}"
+            )
