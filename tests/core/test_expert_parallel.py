@@ -148,12 +148,16 @@ TWO_RANKS = [
     (dict(ep=2, zero_stage=0), True),  # every expert on one of the two ranks, no expert replicas
     (dict(zero_stage=1), True),  # ep=1: experts are dense parameters, ZeRO-1 shards them like the rest
     (dict(ep=2, zero_stage=1, zero1_sharding="parameters"), True),  # dense states by owner over dp
+    (dict(pp=2, zero_stage=0, num_microbatches=2), True),  # each stage's balancing losses into backward
 ]
 FOUR_RANKS = [
     (dict(ep=4, zero_stage=0), True),  # one expert per rank
     (dict(ep=2, zero_stage=0), True),  # ep2 x edp2: experts averaged over their two replicas
     (dict(ep=2, zero_stage=1, zero1_sharding="parameters"), True),  # experts' states by owner over edp
-    (dict(ep=2, pp=2, zero_stage=0, num_microbatches=2), False),  # bias balancing only (no loss under pp)
+    (
+        dict(ep=2, pp=2, zero_stage=0, num_microbatches=2),
+        True,
+    ),  # the balancing losses ride on each stage's output
 ]
 
 
@@ -181,7 +185,6 @@ def test_every_expert_parallel_layout_trains_like_one_process(world: int, layout
         ),
         (dict(tp=2), {}, "a mixture of experts with tp=2 is not supported yet"),
         (dict(cp=2), {}, "a mixture of experts with cp=2 is not supported yet"),
-        (dict(pp=2), {}, "balancing losses with pp=2 are not supported yet"),
         (dict(ep=2, zero_stage=1), {}, "ep=2 with zero_stage=1 needs zero1_sharding='parameters'"),
         (dict(ep=2, zero_stage=3), {}, "ep=2 with zero_stage=3 is not supported yet"),
     ],

@@ -203,6 +203,33 @@ class MoE(nn.Module):
         return y.view(batch, seq, d)
 
 
+class _AttachLoss(torch.autograd.Function):
+    """Identity on ``x``; backward also sends ``scale`` to ``loss`` as its gradient: the loss joins the
+    backward of whatever ``x`` flows into, weighted as that backward weighs its own loss."""
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor, loss: torch.Tensor, scale: float) -> torch.Tensor:  # type: ignore[override]
+        ctx.loss_shape, ctx.scale = loss.shape, scale  # type: ignore[attr-defined]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:  # type: ignore[override]
+        scale = ctx.scale  # type: ignore[attr-defined]
+        return grad, torch.full(ctx.loss_shape, scale, dtype=torch.float32, device=grad.device), None  # type: ignore[attr-defined]
+
+
+def attach_balancing_losses(
+    x: torch.Tensor, model: nn.Module, scale: float
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``x`` carrying the balancing losses the MoE layers under ``model`` left (taken), so that backward from
+    ``x`` differentiates them with weight ``scale``; and their detached sum (None without any). What a pipeline
+    stage does, whose losses cannot be added to a loss it does not compute."""
+    loss = take_balancing_losses(model)
+    if loss is None:
+        return x, None
+    return _AttachLoss.apply(x, loss, scale), loss.detach()
+
+
 def moe_layers(model: nn.Module) -> list[MoE]:
     """The MoE layers under ``model`` (this rank's: a pipeline stage holds only its blocks')."""
     return [m for m in model.modules() if isinstance(m, MoE)]

@@ -71,7 +71,13 @@ def stages_of_rank(pp_rank: int, pp: int, virtual_stages: int) -> list[int]:
 
 class StageModule(nn.Module):
     """One pipeline stage: its layers, called in turn. Holds the model's own layer modules, so parameters are
-    shared, not copied; ``segments`` are its (first, blocks, last) layers, for ZeRO units."""
+    shared, not copied; ``segments`` are its (first, blocks, last) layers, for ZeRO units.
+
+    A mixture of experts' balancing losses of the stage's layers ride on its output into backward, weighted as
+    the schedule weighs a microbatch's loss (``loss_weight``); ``balancing_sum`` adds up their values over the
+    step's microbatches, for the reported loss."""
+
+    loss_weight: float = 1.0
 
     def __init__(
         self, first: Sequence[nn.Module], blocks: Sequence[nn.Module], last: Sequence[nn.Module]
@@ -79,10 +85,17 @@ class StageModule(nn.Module):
         super().__init__()
         self.layers = nn.ModuleList([*first, *blocks, *last])
         self.segments = [list(first), list(blocks), list(last)]
+        self.balancing_sum: torch.Tensor | float = 0.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
             x = layer(x)
+        if self.training and torch.is_grad_enabled():
+            from megascale.core.model.moe import attach_balancing_losses
+
+            x, value = attach_balancing_losses(x, self, self.loss_weight)
+            if value is not None:  # a tensor: no device sync per microbatch
+                self.balancing_sum = self.balancing_sum + value.float()
         return x
 
 
@@ -267,19 +280,25 @@ class Pipeline:
         args = (tokens,) if self.has_first else ()
         kwargs: dict[str, Any] = {"target": targets, "losses": losses} if self.has_last else {}
         schedule = self._schedule("train" if backward else "eval", tuple(tokens.shape))
+        scale = self.loss_scale / self.num_microbatches  # what _scaled_loss multiplies by
+        for stage in self.stage_modules:  # a mixture of experts' balancing losses, weighted alike
+            stage.loss_weight, stage.balancing_sum = scale, 0.0
         # return_outputs=False: the last stage keeps no microbatch's output (the logits) once its loss is taken
         if backward:
             schedule.step(*args, return_outputs=False, **kwargs)
         else:
             with torch.no_grad():  # evaluation in train or eval mode alike: no microbatch keeps its graph
                 schedule.eval(*args, return_outputs=False, **kwargs)
-        scale = self.loss_scale / self.num_microbatches  # what _scaled_loss multiplied by
         loss = torch.stack([x.detach().float() for x in losses]).mean() / scale if self.has_last else None
         if loss is None:
             loss = torch.zeros((), dtype=torch.float32, device=self.device)
-        # every stage logs the same loss; the last stage waits here for the first stages' last backward
+        balancing = sum(stage.balancing_sum for stage in self.stage_modules) / self.num_microbatches
+        if balancing:  # every stage's balancing losses join the reported loss (what one process returns)
+            loss = loss + balancing
+        # every stage logs the same loss (the last stage's, plus each stage's balancing losses); the last stage
+        # waits here for the first stages' last backward
         with self.wait_timer("pipeline-loss"):
-            dist.broadcast(loss, src=self.last_rank, group=self.group)
+            dist.all_reduce(loss, group=self.group)
         return loss
 
     @torch.no_grad()
@@ -353,8 +372,11 @@ class _LeanStage(PipelineStage):
     ) -> Any:
         from megascale.core.model.moe import routing_statistics_untouched
 
+        balancing = getattr(self.submod, "balancing_sum", 0.0)
         with self.pipeline.random_streams_untouched(), routing_statistics_untouched(self.submod):
             out = super()._prepare_forward_infra(num_microbatches, args, kwargs, has_backward=has_backward)
+        if hasattr(self.submod, "balancing_sum"):
+            self.submod.balancing_sum = balancing
         self._pools = {}  # (re)built: torch has just allocated one buffer per microbatch again
         if has_backward and self.pool_receives and not self.is_first:
             self._pools["F"] = _RecvPool(self.args_recv_info, self.device)

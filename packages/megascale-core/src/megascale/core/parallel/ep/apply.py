@@ -63,12 +63,6 @@ def check_expert_parallel(config: GPTConfig, plan: ParallelPlan) -> None:
             f"a mixture of experts with cp={plan.cp} is not supported yet (the sequence-wise balancing loss "
             "would need its counts summed over the cp ranks); use cp=1"
         )
-    if plan.pp > 1 and (moe.aux_loss_coef > 0 or moe.z_loss_coef > 0):
-        raise ValueError(
-            f"a mixture of experts' balancing losses with pp={plan.pp} are not supported yet (a pipeline stage "
-            "does not return them to the loss); set aux_loss_coef=0 and z_loss_coef=0 (bias_update_rate "
-            "balances without a loss) or use pp=1"
-        )
     if plan.ep > 1 and plan.zero_stage > 1:
         raise ValueError(
             f"ep={plan.ep} with zero_stage={plan.zero_stage} is not supported yet: experts are sharded over "
