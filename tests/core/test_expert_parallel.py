@@ -49,7 +49,7 @@ def test_rows_arriving_by_source_are_regrouped_by_expert() -> None:
 def _config(aux: bool = True) -> GPTConfig:
     moe = MoEConfig(
         num_experts=4, top_k=2, expert_hidden=32, aux_loss_coef=0.05 if aux else 0.0,
-        z_loss_coef=1e-3 if aux else 0.0, bias_update_rate=1e-3,
+        z_loss_coef=1e-3 if aux else 0.0, bias_update_rate=1e-3, shared_experts=1,
     )  # fmt: skip
     return GPTConfig(**{**TINY_GQA_GPT, "n_layers": 2, "max_seq_len": SEQ, "moe": moe})
 
@@ -149,15 +149,15 @@ TWO_RANKS = [
     (dict(zero_stage=1), True),  # ep=1: experts are dense parameters, ZeRO-1 shards them like the rest
     (dict(ep=2, zero_stage=1, zero1_sharding="parameters"), True),  # dense states by owner over dp
     (dict(pp=2, zero_stage=0, num_microbatches=2), True),  # each stage's balancing losses into backward
+    (dict(tp=2, sequence_parallel=False, zero_stage=0), True),  # shared experts split like an MLP
 ]
 FOUR_RANKS = [
     (dict(ep=4, zero_stage=0), True),  # one expert per rank
     (dict(ep=2, zero_stage=0), True),  # ep2 x edp2: experts averaged over their two replicas
     (dict(ep=2, zero_stage=1, zero1_sharding="parameters"), True),  # experts' states by owner over edp
-    (
-        dict(ep=2, pp=2, zero_stage=0, num_microbatches=2),
-        True,
-    ),  # the balancing losses ride on each stage's output
+    # the balancing losses ride on each stage's output
+    (dict(ep=2, pp=2, zero_stage=0, num_microbatches=2), True),
+    (dict(ep=2, tp=2, sequence_parallel=False, zero_stage=0), True),  # whole experts on each tp rank
 ]
 
 
@@ -183,7 +183,7 @@ def test_every_expert_parallel_layout_trains_like_one_process(world: int, layout
             {"moe": None},
             "ep=2: expert parallelism splits a mixture of experts, and this GPT has none",
         ),
-        (dict(tp=2), {}, "a mixture of experts with tp=2 is not supported yet"),
+        (dict(tp=2), {}, "a mixture of experts with tp=2 and sequence parallelism is not supported yet"),
         (dict(cp=2), {}, "a mixture of experts with cp=2 is not supported yet"),
         (dict(ep=2, zero_stage=1), {}, "ep=2 with zero_stage=1 needs zero1_sharding='parameters'"),
         (dict(ep=2, zero_stage=3), {}, "ep=2 with zero_stage=3 is not supported yet"),

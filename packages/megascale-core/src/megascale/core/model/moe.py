@@ -197,10 +197,10 @@ class MoE(nn.Module):
         # back to (token, choice) order and summed with the routing weights: no scatter-add, so the sum is
         # deterministic and the same in every layout
         out = out.index_select(0, order.argsort()).view(n, k, d)
-        y = torch.einsum("nkd,nk->nd", out, routing.weights)
-        if self.shared is not None:
-            y = y + self.shared(flat)
-        return y.view(batch, seq, d)
+        y = torch.einsum("nkd,nk->nd", out, routing.weights).view(batch, seq, d)
+        if self.shared is not None:  # on (B, T, d): split over tp like any MLP
+            y = y + self.shared(x)
+        return y
 
 
 class _AttachLoss(torch.autograd.Function):
