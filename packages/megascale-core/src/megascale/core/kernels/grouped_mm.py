@@ -62,7 +62,10 @@ def _reference(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> t
     sizes = [int(c) for c in counts.tolist()]
     if sum(sizes) != x.shape[0]:
         raise ValueError(f"grouped_mm: counts add up to {sum(sizes)} rows, x has {x.shape[0]}")
-    outs = [F.linear(rows, weight[g]) for g, rows in enumerate(x.split(sizes)) if sizes[g]]
+    # unbind, not weight[g]: indexing gives each group's backward a zero-filled gradient of the whole stack to
+    # add up (96 of them a step in benchmarks/moe.py); unbind's backward stacks the groups' gradients once
+    weights = weight.unbind(0)
+    outs = [F.linear(rows, weights[g]) for g, rows in enumerate(x.split(sizes)) if sizes[g]]
     if not outs:
         return _no_rows(x, weight)
     # groups that received no rows contribute no gradient: weight.grad is zero there, as with the fused kernel
