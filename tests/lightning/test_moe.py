@@ -39,10 +39,12 @@ def test_an_expert_parallel_fit_matches_one_process(tmp_path) -> None:
         job("ep2 accumulate=2", dict(ep=2, zero_stage=0), 2, accumulate=2),
         job("ep2/zero1 by parameters", dict(ep=2, zero_stage=1, zero1_sharding="parameters"), 2),
         job("dp2/zero1", dict(zero_stage=1), 2),  # ep=1: the experts are ordinary parameters
+        job("tp2+sp", dict(tp=2), 1),  # the MoE gathers whole sequences; its replica check over tp
     ]
     results = fit(jobs, 2, tmp_path / "two")
     for name, result in results.items():
         assert result["layout"]["ep"] == (2 if name.startswith("ep2") else 1), name
+        assert result["layout"]["tp"] == (2 if name.startswith("tp2") else 1), name
         assert result["expert_load"] == pytest.approx(reference["expert_load"], rel=1e-6), name
         if "accumulate" not in name:  # Lightning logs each micro-batch's loss under accumulation
             assert result["losses"] == pytest.approx(reference["losses"], abs=LOSS_TOL), name

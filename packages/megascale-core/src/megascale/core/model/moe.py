@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from megascale.core import kernels
 from megascale.core._dtensor import local
@@ -166,6 +167,9 @@ class MoE(nn.Module):
 
     dispatcher: Dispatcher | None = None
     pending_loss: torch.Tensor | None = None
+    #: set by tensor parallelism with sequence parallelism: the tp mesh, over which the layer gathers the
+    #: whole sequence, routes it through whole experts on every tp rank alike and keeps its own slice
+    sequence_parallel_mesh: DeviceMesh | None = None
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -176,6 +180,18 @@ class MoE(nn.Module):
         self.shared = MLP(config, hidden=shared * config.expert_dim) if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel_mesh is None:
+            routed = self._routed(x)
+        else:  # the balancing statistics and the routing are then those of whole sequences, as on one process
+            from megascale.core.parallel.tp_comm import gather_to_replicated_region, split_to_sp_region
+
+            group = self.sequence_parallel_mesh.get_group()
+            routed = split_to_sp_region(self._routed(gather_to_replicated_region(x, group)), group)
+        if self.shared is not None:  # on (B, T, d) (sequence shards under SP): split over tp like any MLP
+            routed = routed + self.shared(x)
+        return routed
+
+    def _routed(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, d = x.shape
         flat = x.reshape(-1, d)
         routing = self.router(flat)
@@ -197,10 +213,7 @@ class MoE(nn.Module):
         # back to (token, choice) order and summed with the routing weights: no scatter-add, so the sum is
         # deterministic and the same in every layout
         out = out.index_select(0, order.argsort()).view(n, k, d)
-        y = torch.einsum("nkd,nk->nd", out, routing.weights).view(batch, seq, d)
-        if self.shared is not None:  # on (B, T, d): split over tp like any MLP
-            y = y + self.shared(x)
-        return y
+        return torch.einsum("nkd,nk->nd", out, routing.weights).view(batch, seq, d)
 
 
 class _AttachLoss(torch.autograd.Function):

@@ -43,6 +43,7 @@ from megascale.core._dtensor import local
 from megascale.core.model.attention import SelfAttention
 from megascale.core.model.gpt import GPT, NextTokenLoss, TokenEmbedding
 from megascale.core.model.linear import FanInLinear, FanOutLinear
+from megascale.core.model.moe import MoE
 from megascale.core.model.norm import LayerNorm, RMSNorm
 from megascale.core.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megascale.core.parallel.overlap import column_parallel_matmul, row_parallel_matmul
@@ -319,6 +320,8 @@ def apply_tensor_parallel(
             return VocabParallelEmbedding(module, distribute, sequence_parallel=sequence_parallel)
         if isinstance(module, NextTokenLoss):
             return VocabParallelCrossEntropy(module, tp_mesh, model.config.padded_vocab_size)
+        if isinstance(module, MoE):  # routed whole on every tp rank; its shared experts split as MLPs below
+            module.sequence_parallel_mesh = tp_mesh if sequence_parallel else None
         return None
 
     # token counts must be multiples of tp under sequence parallelism (generation pads to it)

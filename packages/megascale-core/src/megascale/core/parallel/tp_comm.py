@@ -6,6 +6,12 @@ Activations are (B, T, ...); the sequence-parallel (SP) shard of rank r holds po
     reduce_from_tp_region      forward: all-reduce        backward: identity
     gather_from_sp_region      forward: all-gather on T   backward: reduce-scatter on T
     reduce_scatter_to_sp_region forward: reduce-scatter T backward: all-gather on T
+    gather_to_replicated_region forward: all-gather on T  backward: this rank's slice of T
+    split_to_sp_region         forward: this rank's slice backward: all-gather on T
+
+The last two bracket a region that every tp rank computes whole and alike (a mixture of experts under SP):
+its output gradients are all-gathered, so every rank back-propagates the same whole gradient, and each keeps
+its own slice of the input's.
 
 ``copy_to_tp_region`` also serves replicated weights used on sequence shards (norms, row-parallel biases under
 SP): each rank's gradient covers only its tokens, and the backward all-reduce makes it the full gradient.
@@ -28,10 +34,12 @@ __all__ = [
     "all_gather_seq",
     "copy_to_tp_region",
     "gather_from_sp_region",
+    "gather_to_replicated_region",
     "reduce_from_tp_region",
     "reduce_scatter_flat",
     "reduce_scatter_seq",
     "reduce_scatter_to_sp_region",
+    "split_to_sp_region",
 ]
 
 
@@ -116,6 +124,43 @@ class _ReduceScatterToSP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return all_gather_seq(grad, ctx.group, timer=ctx.timer), None, None
+
+
+def _own_slice(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    tp, rank = dist.get_world_size(group), dist.get_rank(group)
+    return x.chunk(tp, dim=1)[rank].contiguous()
+
+
+class _GatherToReplicated(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup, timer: WaitTimer) -> torch.Tensor:
+        ctx.group = group
+        return all_gather_seq(x, group, timer=timer)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _own_slice(grad, ctx.group), None, None
+
+
+class _SplitToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup, timer: WaitTimer) -> torch.Tensor:
+        ctx.group, ctx.timer = group, timer
+        return _own_slice(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return all_gather_seq(grad, ctx.group, timer=ctx.timer), None, None
+
+
+def gather_to_replicated_region(
+    x: torch.Tensor, group: ProcessGroup, *, timer: WaitTimer = untimed
+) -> torch.Tensor:
+    return _GatherToReplicated.apply(x, group, timer)
+
+
+def split_to_sp_region(x: torch.Tensor, group: ProcessGroup, *, timer: WaitTimer = untimed) -> torch.Tensor:
+    return _SplitToSP.apply(x, group, timer)
 
 
 def copy_to_tp_region(x: torch.Tensor, group: ProcessGroup, *, timer: WaitTimer = untimed) -> torch.Tensor:

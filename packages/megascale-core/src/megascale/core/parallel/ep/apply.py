@@ -53,13 +53,6 @@ def check_expert_parallel(config: GPTConfig, plan: ParallelPlan) -> None:
             f"num_experts={moe.num_experts} cannot be split over ep={plan.ep} ranks: each needs the same number "
             f"of experts; choose ep among {fits}"
         )
-    if plan.tp > 1 and plan.sequence_parallel:
-        raise ValueError(
-            f"a mixture of experts with tp={plan.tp} and sequence parallelism is not supported yet (each tp rank "
-            "would route its own tokens, whose balancing statistics and expert gradients are not yet summed "
-            "over tp); set sequence_parallel=False (every tp rank then routes the same tokens through whole "
-            "experts, its shared experts split like an MLP) or tp=1"
-        )
     if plan.cp > 1:
         raise ValueError(
             f"a mixture of experts with cp={plan.cp} is not supported yet (the sequence-wise balancing loss "
