@@ -151,6 +151,7 @@ TWO_RANKS = [
     (dict(pp=2, zero_stage=0, num_microbatches=2), True),  # each stage's balancing losses into backward
     (dict(tp=2, sequence_parallel=False, zero_stage=0), True),  # shared experts split like an MLP
     (dict(tp=2, zero_stage=1), True),  # sequence parallelism: the MoE gathers whole sequences
+    (dict(cp=2, zero_stage=1), True),  # context parallelism: likewise over cp
 ]
 FOUR_RANKS = [
     (dict(ep=4, zero_stage=0), True),  # one expert per rank
@@ -160,6 +161,8 @@ FOUR_RANKS = [
     (dict(ep=2, pp=2, zero_stage=0, num_microbatches=2), True),
     (dict(ep=2, tp=2, sequence_parallel=False, zero_stage=0), True),  # whole experts on each tp rank
     (dict(ep=2, tp=2, zero_stage=1, zero1_sharding="parameters"), True),  # SP: whole sequences gathered
+    (dict(ep=2, cp=2, zero_stage=0), True),  # cp chunks gathered, experts split over the dp ranks
+    (dict(cp=2, tp=2, zero_stage=1), True),  # gathered over tp, then over cp
 ]
 
 
@@ -185,7 +188,6 @@ def test_every_expert_parallel_layout_trains_like_one_process(world: int, layout
             {"moe": None},
             "ep=2: expert parallelism splits a mixture of experts, and this GPT has none",
         ),
-        (dict(cp=2), {}, "a mixture of experts with cp=2 is not supported yet"),
         (dict(ep=2, zero_stage=1), {}, "ep=2 with zero_stage=1 needs zero1_sharding='parameters'"),
         (dict(ep=2, zero_stage=3), {}, "ep=2 with zero_stage=3 is not supported yet"),
     ],

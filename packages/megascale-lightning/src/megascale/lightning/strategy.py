@@ -204,8 +204,9 @@ class MegaScaleStrategy(ParallelStrategy):
 
     @property
     def data_parallel_group(self) -> Any:
-        """The ranks of this rank's pipeline stage reading different batches (dp, or dp × cp), over which
-        per-batch statistics are summed (a mixture of experts' tokens per expert); None with one replica."""
+        """The ranks of this rank's pipeline stage reading different batches (dp; tp and cp ranks of a replica
+        read the same ones), over which per-batch statistics are summed (a mixture of experts' tokens per
+        expert); None with one replica."""
         return self._runtime.data_parallel_group if self._runtime is not None else None
 
     @property

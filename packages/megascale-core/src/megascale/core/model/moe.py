@@ -167,9 +167,11 @@ class MoE(nn.Module):
 
     dispatcher: Dispatcher | None = None
     pending_loss: torch.Tensor | None = None
-    #: set by tensor parallelism with sequence parallelism: the tp mesh, over which the layer gathers the
-    #: whole sequence, routes it through whole experts on every tp rank alike and keeps its own slice
+    #: set by tensor parallelism with sequence parallelism (the tp mesh) and by context parallelism (the cp
+    #: mesh): over them the layer gathers whole sequences, routes them through whole experts on every rank
+    #: alike and keeps its own part of the output
     sequence_parallel_mesh: DeviceMesh | None = None
+    context_parallel_mesh: DeviceMesh | None = None
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -180,13 +182,22 @@ class MoE(nn.Module):
         self.shared = MLP(config, hidden=shared * config.expert_dim) if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel_mesh is None:
+        # the balancing statistics and the routing are then those of whole sequences, as on one process (the
+        # order of a sequence's tokens does not matter to them, so cp's chunks are gathered as they are)
+        splits = [(m, 1.0) for m in (self.sequence_parallel_mesh,) if m is not None]
+        if self.context_parallel_mesh is not None:  # cp ranks differentiate cp × their part of the loss
+            splits.append((self.context_parallel_mesh, float(self.context_parallel_mesh.size())))
+        if not splits:
             routed = self._routed(x)
-        else:  # the balancing statistics and the routing are then those of whole sequences, as on one process
+        else:
             from megascale.core.parallel.tp_comm import gather_to_replicated_region, split_to_sp_region
 
-            group = self.sequence_parallel_mesh.get_group()
-            routed = split_to_sp_region(self._routed(gather_to_replicated_region(x, group)), group)
+            whole = x
+            for mesh, scale in splits:  # tp's shards of this rank's cp chunks first, then the chunks
+                whole = gather_to_replicated_region(whole, mesh.get_group(), grad_scale=scale)
+            routed = self._routed(whole)
+            for mesh, scale in reversed(splits):
+                routed = split_to_sp_region(routed, mesh.get_group(), grad_scale=1.0 / scale)
         if self.shared is not None:  # on (B, T, d) (sequence shards under SP): split over tp like any MLP
             routed = routed + self.shared(x)
         return routed

@@ -112,12 +112,11 @@ class ParallelRuntime:
 
     @property
     def data_parallel_group(self) -> dist.ProcessGroup | None:
-        """The ranks of this rank's pipeline stage that read different batches (dp, or dp × cp flattened):
-        what per-batch statistics are summed over, e.g. a mixture of experts' tokens per expert
-        (``megascale.core.model.moe.update_expert_biases``). None with a single replica."""
-        if self.dims.dp * self.dims.cp == 1:
-            return None
-        return _replica_mesh(self.mesh, self.dims).get_group()
+        """The ranks of this rank's pipeline stage that read different batches ("dp": tp and cp ranks of a
+        replica read the same sequences): what per-batch statistics are summed over, e.g. a mixture of
+        experts' tokens per expert (``megascale.core.model.moe.update_expert_biases``; its layers count whole
+        sequences on every tp and cp rank alike). None with a single replica."""
+        return self.mesh["dp"].get_group() if self.dims.dp > 1 else None
 
     @property
     def grad_norm_group(self) -> SumGroup:

@@ -6,12 +6,14 @@ Activations are (B, T, ...); the sequence-parallel (SP) shard of rank r holds po
     reduce_from_tp_region      forward: all-reduce        backward: identity
     gather_from_sp_region      forward: all-gather on T   backward: reduce-scatter on T
     reduce_scatter_to_sp_region forward: reduce-scatter T backward: all-gather on T
-    gather_to_replicated_region forward: all-gather on T  backward: this rank's slice of T
-    split_to_sp_region         forward: this rank's slice backward: all-gather on T
+    gather_to_replicated_region forward: all-gather on T  backward: this rank's slice of T (× grad_scale)
+    split_to_sp_region         forward: this rank's slice backward: all-gather on T (× grad_scale)
 
-The last two bracket a region that every tp rank computes whole and alike (a mixture of experts under SP):
-its output gradients are all-gathered, so every rank back-propagates the same whole gradient, and each keeps
-its own slice of the input's.
+The last two bracket a region that every rank of the group computes whole and alike (a mixture of experts
+under SP or context parallelism): its output gradients are all-gathered, so every rank back-propagates the same
+whole gradient, and each keeps its own slice of the input's. ``grad_scale``: context parallelism's ranks
+differentiate cp × their own part of the loss (``cp.loss``): the region's gathered gradient is divided by cp
+and its input's slice multiplied back.
 
 ``copy_to_tp_region`` also serves replicated weights used on sequence shards (norms, row-parallel biases under
 SP): each rank's gradient covers only its tokens, and the backward all-reduce makes it the full gradient.
@@ -133,34 +135,38 @@ def _own_slice(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
 
 class _GatherToReplicated(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: ProcessGroup, timer: WaitTimer) -> torch.Tensor:
-        ctx.group = group
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup, timer: WaitTimer, scale: float) -> torch.Tensor:
+        ctx.group, ctx.scale = group, scale
         return all_gather_seq(x, group, timer=timer)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _own_slice(grad, ctx.group), None, None
+        piece = _own_slice(grad, ctx.group)
+        return (piece if ctx.scale == 1 else piece * ctx.scale), None, None, None
 
 
 class _SplitToSP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: ProcessGroup, timer: WaitTimer) -> torch.Tensor:
-        ctx.group, ctx.timer = group, timer
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup, timer: WaitTimer, scale: float) -> torch.Tensor:
+        ctx.group, ctx.timer, ctx.scale = group, timer, scale
         return _own_slice(x, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return all_gather_seq(grad, ctx.group, timer=ctx.timer), None, None
+        whole = all_gather_seq(grad, ctx.group, timer=ctx.timer)
+        return (whole if ctx.scale == 1 else whole * ctx.scale), None, None, None
 
 
 def gather_to_replicated_region(
-    x: torch.Tensor, group: ProcessGroup, *, timer: WaitTimer = untimed
+    x: torch.Tensor, group: ProcessGroup, *, timer: WaitTimer = untimed, grad_scale: float = 1.0
 ) -> torch.Tensor:
-    return _GatherToReplicated.apply(x, group, timer)
+    return _GatherToReplicated.apply(x, group, timer, grad_scale)
 
 
-def split_to_sp_region(x: torch.Tensor, group: ProcessGroup, *, timer: WaitTimer = untimed) -> torch.Tensor:
-    return _SplitToSP.apply(x, group, timer)
+def split_to_sp_region(
+    x: torch.Tensor, group: ProcessGroup, *, timer: WaitTimer = untimed, grad_scale: float = 1.0
+) -> torch.Tensor:
+    return _SplitToSP.apply(x, group, timer, grad_scale)
 
 
 def copy_to_tp_region(x: torch.Tensor, group: ProcessGroup, *, timer: WaitTimer = untimed) -> torch.Tensor:

@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from megascale.core.model.attention import SelfAttention
 from megascale.core.model.gpt import GPT
+from megascale.core.model.moe import MoE
 from megascale.core.parallel.cp.attention import ContextParallel
 from megascale.core.parallel.cp.loss import ContextParallelLoss
 from megascale.core.parallel.cp.sharding import shard_sequence
@@ -62,6 +63,8 @@ def apply_context_parallel(model: GPT, cp_mesh: DeviceMesh) -> GPT:
     for m in model.modules():
         if isinstance(m, SelfAttention):
             m.context_parallel = ContextParallel(group, rank, cp)
+        if isinstance(m, MoE):  # routes whole sequences (gathered over cp), as one process does
+            m.context_parallel_mesh = cp_mesh
     if model.embed is not None:  # the first pipeline stage, or the whole model
         model.embed.register_forward_pre_hook(_keep_chunks(rank, cp))
     model.loss_fn = ContextParallelLoss(model.loss_fn, group)

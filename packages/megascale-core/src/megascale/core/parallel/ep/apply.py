@@ -53,11 +53,6 @@ def check_expert_parallel(config: GPTConfig, plan: ParallelPlan) -> None:
             f"num_experts={moe.num_experts} cannot be split over ep={plan.ep} ranks: each needs the same number "
             f"of experts; choose ep among {fits}"
         )
-    if plan.cp > 1:
-        raise ValueError(
-            f"a mixture of experts with cp={plan.cp} is not supported yet (the sequence-wise balancing loss "
-            "would need its counts summed over the cp ranks); use cp=1"
-        )
     if plan.ep > 1 and plan.zero_stage > 1:
         raise ValueError(
             f"ep={plan.ep} with zero_stage={plan.zero_stage} is not supported yet: experts are sharded over "
