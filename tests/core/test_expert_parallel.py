@@ -152,6 +152,7 @@ TWO_RANKS = [
     (dict(tp=2, sequence_parallel=False, zero_stage=0), True),  # shared experts split like an MLP
     (dict(tp=2, zero_stage=1), True),  # sequence parallelism: the MoE gathers whole sequences
     (dict(cp=2, zero_stage=1), True),  # context parallelism: likewise over cp
+    (dict(ep=2, zero_stage=3), True),  # edp = 1: FSDP2 over one rank, the experts' gradients / dp
 ]
 FOUR_RANKS = [
     (dict(ep=4, zero_stage=0), True),  # one expert per rank
@@ -162,6 +163,8 @@ FOUR_RANKS = [
     (dict(ep=2, tp=2, sequence_parallel=False, zero_stage=0), True),  # whole experts on each tp rank
     (dict(ep=2, tp=2, zero_stage=1, zero1_sharding="parameters"), True),  # SP: whole sequences gathered
     (dict(ep=2, cp=2, zero_stage=0), True),  # cp chunks gathered, experts split over the dp ranks
+    (dict(ep=2, zero_stage=2), True),  # FSDP2: experts sharded over edp beside the dense units over dp
+    (dict(ep=2, zero_stage=3), True),
     (dict(cp=2, tp=2, zero_stage=1), True),  # gathered over tp, then over cp
 ]
 
@@ -189,7 +192,6 @@ def test_every_expert_parallel_layout_trains_like_one_process(world: int, layout
             "ep=2: expert parallelism splits a mixture of experts, and this GPT has none",
         ),
         (dict(ep=2, zero_stage=1), {}, "ep=2 with zero_stage=1 needs zero1_sharding='parameters'"),
-        (dict(ep=2, zero_stage=3), {}, "ep=2 with zero_stage=3 is not supported yet"),
     ],
 )
 def test_what_a_mixture_of_experts_layout_cannot_do_is_refused_by_name(

@@ -38,6 +38,7 @@ def test_an_expert_parallel_fit_matches_one_process(tmp_path) -> None:
         job("ep2", dict(ep=2, zero_stage=0), 2),
         job("ep2 accumulate=2", dict(ep=2, zero_stage=0), 2, accumulate=2),
         job("ep2/zero1 by parameters", dict(ep=2, zero_stage=1, zero1_sharding="parameters"), 2),
+        job("ep2/zero3", dict(ep=2, zero_stage=3), 2),
         job("dp2/zero1", dict(zero_stage=1), 2),  # ep=1: the experts are ordinary parameters
         job("tp2+sp", dict(tp=2), 1),  # the MoE gathers whole sequences; its replica check over tp
         job("cp2", dict(cp=2), 1),  # likewise over cp; tokens per expert summed over dp only

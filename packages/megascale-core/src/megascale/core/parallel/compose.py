@@ -245,11 +245,15 @@ def parallelize(
             if stages
             else [UnitTree(module, _unit_segments(module, plan.zero_stage >= 2), cast_inputs=False)]
         )
+        if edp_mesh is not None and plan.zero_stage >= 2:  # the experts' own units first (over "edp")
+            from megascale.core.parallel.ep.apply import shard_experts
+
+            shard_experts(module, edp_mesh, stage=plan.zero_stage, param_dtype=param_dtype)
         zero = apply_zero(
             trees, replicas, stage=plan.zero_stage, bucket_size_mb=plan.bucket_size_mb,
             overlap_grad_reduce=plan.overlap_grad_reduce, overlap_param_gather=plan.overlap_param_gather,
             param_dtype=param_dtype, accumulations=plan.microbatches if stages else 1, zero1_root=module,
-            zero1_sharding=plan.zero1_sharding, exclude=experts,
+            zero1_sharding=plan.zero1_sharding, exclude=experts if plan.zero_stage < 2 else (),
         )  # fmt: skip
         if edp_mesh is not None:
             zero = _expert_replicas(zero, experts, edp_mesh, plan, trees, module)
@@ -501,15 +505,17 @@ def _expert_replicas(
 ) -> ZeroRuntime:  # fmt: skip
     from megascale.core.parallel.ep.apply import ExpertReplicas
 
+    if plan.zero_stage >= 2:  # the experts are FSDP2 units of their own (shard_experts)
+        return ExpertReplicas(dense, None, None)
     if edp_mesh.size() == 1:
-        return ExpertReplicas(dense, None, experts, plan.ep, None)
+        return ExpertReplicas(dense, None, None)
     held = apply_zero_to_params(
         experts, edp_mesh, stage=plan.zero_stage, root=root,
         units=[m for t in trees for m in (t.root, *t.layers())], bucket_size_mb=plan.bucket_size_mb,
         overlap_grad_reduce=plan.overlap_grad_reduce, overlap_param_gather=plan.overlap_param_gather,
         accumulations=plan.microbatches if plan.pp > 1 else 1,
     )  # fmt: skip
-    return ExpertReplicas(dense, held, experts, plan.ep, edp_mesh.get_group())
+    return ExpertReplicas(dense, held, edp_mesh.get_group())
 
 
 def _replica_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:

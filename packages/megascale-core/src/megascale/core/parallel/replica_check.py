@@ -296,7 +296,8 @@ class ReplicaGuard:
         dims = self._mesh_dims(t, runtime)
         labels = []
         if "ep" in dims:  # an expert stack: its replicas are the ranks holding the same experts
-            if runtime.expert_mesh is not None and runtime.expert_mesh["edp"].size() > 1 and dp_ok:
+            edp = runtime.expert_mesh["edp"].size() if runtime.expert_mesh is not None else 1
+            if edp > 1 and dp_ok and runtime.zero.stage in (0, 1):
                 labels.append("edp")
         elif runtime.dims.dp > 1 and dp_ok and runtime.zero.stage in (0, 1) and "dp" not in dims:
             labels.append("dp")

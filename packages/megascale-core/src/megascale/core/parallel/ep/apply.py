@@ -6,9 +6,10 @@ tensors, each rank holding its experts' rows; the layer gets an ``AllToAllDispat
 and everything else stay whole on every rank, each computing its own batch as under data parallelism.
 
 Gradients: a rank's experts receive the gradient of every ep rank's tokens (the all-to-all's backward), a sum
-over ep batches where a dense parameter has its own batch's; ``ExpertReplicas`` divides it by ep and averages it
-over "edp", the ranks holding the same experts, so that it is the mean over all dp batches like every other
-gradient (one process on the union batch).
+over ep batches where a dense parameter has its own batch's; the dispatcher divides it by ep and
+``ExpertReplicas`` (ZeRO-0/1) or the experts' FSDP2 units (ZeRO-2/3, ``shard_experts``) average it over "edp",
+the ranks holding the same experts, so that it is the mean over all dp batches like every other gradient (one
+process on the union batch).
 """
 
 from __future__ import annotations
@@ -53,12 +54,6 @@ def check_expert_parallel(config: GPTConfig, plan: ParallelPlan) -> None:
             f"num_experts={moe.num_experts} cannot be split over ep={plan.ep} ranks: each needs the same number "
             f"of experts; choose ep among {fits}"
         )
-    if plan.ep > 1 and plan.zero_stage > 1:
-        raise ValueError(
-            f"ep={plan.ep} with zero_stage={plan.zero_stage} is not supported yet: experts are sharded over "
-            "their own replicas, which only ZeRO-0 and ZeRO-1 do so far; use zero_stage=1 with "
-            "zero1_sharding='parameters', or zero_stage=0"
-        )
     if plan.ep > 1 and plan.zero_stage == 1 and plan.zero1_sharding != "parameters":
         raise ValueError(
             f"ep={plan.ep} with zero_stage=1 needs zero1_sharding='parameters' (each parameter's optimizer state "
@@ -99,6 +94,20 @@ def expert_params(module: nn.Module) -> list[nn.Parameter]:
     return [p for layer in moe_layers(module) for p in layer.experts.parameters()]
 
 
+def shard_experts(
+    module: nn.Module, edp_mesh: DeviceMesh, *, stage: int, param_dtype: torch.dtype | None
+) -> None:
+    """ZeRO-2/3 of the experts: each MoE layer's experts one FSDP2 unit over "edp" (the ranks holding the same
+    experts; FSDP2 composes it with their "ep" split as with tensor parallelism), made before the dense
+    parameters' units, which then leave them out; their gradients are averaged over edp as they are
+    reduce-scattered."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    for layer in moe_layers(module):
+        fully_shard(layer.experts, mesh=edp_mesh, reshard_after_forward=stage == 3, mp_policy=policy)
+
+
 @torch.no_grad()
 def broadcast_expert_replicas(params: list[nn.Parameter], edp_mesh: DeviceMesh) -> None:
     """Every rank holding the same experts starts from the first one's values (as dense replicas do)."""
@@ -112,18 +121,18 @@ def broadcast_expert_replicas(params: list[nn.Parameter], edp_mesh: DeviceMesh) 
 
 
 class ExpertReplicas(ZeroRuntime):
-    """The dense parameters' ZeRO (``dense``) beside the experts': each expert gradient divided by ep (a hook,
-    as it is accumulated) and, where several ranks hold the same experts, averaged over them (and, at ZeRO-1,
-    their optimizer state sharded over them) by ``experts``. Every hook of ``ZeroRuntime`` reaches both."""
+    """The dense parameters' ZeRO (``dense``) beside the experts': where several ranks hold the same experts,
+    their gradients averaged over them (and, at ZeRO-1, their optimizer state sharded over them) by
+    ``experts``. Every hook of ``ZeroRuntime`` reaches both."""
 
     checkpoint_partial = True  # ep ranks hold different experts
 
-    def __init__(self, dense: ZeroRuntime, experts: ZeroRuntime | None, params: list[nn.Parameter], ep: int,
-                 edp_group: dist.ProcessGroup | None) -> None:  # fmt: skip
+    def __init__(
+        self, dense: ZeroRuntime, experts: ZeroRuntime | None, edp_group: dist.ProcessGroup | None
+    ) -> None:
         self.dense, self.experts = dense, experts
         self.stage = dense.stage
         self.edp_group = edp_group
-        self._hooks = [p.register_hook(lambda g: g / ep) for p in params]
 
     def _each(self) -> list[ZeroRuntime]:
         return [self.dense] if self.experts is None else [self.dense, self.experts]
@@ -180,5 +189,3 @@ class ExpertReplicas(ZeroRuntime):
     def remove(self) -> None:
         for runtime in self._each():
             runtime.remove()
-        for hook in self._hooks:
-            hook.remove()

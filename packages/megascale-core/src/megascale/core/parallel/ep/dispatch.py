@@ -5,7 +5,10 @@ expert, hence already in order of destination rank; one all-to-all of the counts
 each peer sends to each of its experts, one all-to-all with those uneven splits moves the rows, they are
 regrouped by local expert (they arrive by source rank), computed, put back in arrival order and sent home by a
 second all-to-all. Both all-to-alls are differentiable (backward sends the gradients the opposite way), so an
-expert's gradient is the sum over every ep rank's tokens.
+expert's gradient is the sum over every ep rank's tokens' gradients, where a dense parameter's is its own batch's:
+the experts are run on their rows with gradients scaled by 1/ep on the way into their weights (and by ep back
+out to the rows), so that averaging over the ranks holding the same experts ("edp", by whichever ZeRO stage)
+gives the mean over all dp batches, like every other gradient.
 """
 
 from __future__ import annotations
@@ -20,6 +23,19 @@ if TYPE_CHECKING:
     from megascale.core.model.moe import GroupedExperts
 
 __all__ = ["AllToAllDispatcher", "regroup_by_expert"]
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; backward multiplies the gradient by ``scale``."""
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor, scale: float) -> torch.Tensor:  # type: ignore[override]
+        ctx.scale = scale  # type: ignore[attr-defined]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return grad * ctx.scale, None  # type: ignore[attr-defined]
 
 
 def regroup_by_expert(counts: torch.Tensor) -> torch.Tensor:
@@ -54,7 +70,9 @@ class AllToAllDispatcher:
         send_splits, receive_splits = send.sum(1).tolist(), received.sum(1).tolist()
         arrived = all_to_all_single_autograd(rows, receive_splits, send_splits, self.group)
         order = regroup_by_expert(received)
-        out = experts(arrived.index_select(0, order), received.sum(0))
+        # gradients: x ep into the rows (undoing the 1/ep below for them), / ep into the expert weights
+        rows_in = _ScaleGrad.apply(arrived.index_select(0, order), float(self.ep))
+        out = _ScaleGrad.apply(experts(rows_in, received.sum(0)), 1.0 / self.ep)
         back = out.index_select(0, torch.argsort(order))
         return all_to_all_single_autograd(back, send_splits, receive_splits, self.group)
 
