@@ -13,7 +13,9 @@ nothing else: a routing decision flipped by a wrong exchange moves them by 1e-3 
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -24,7 +26,7 @@ from megascale.core import GPT, GPTConfig
 from megascale.core.config import MoEConfig
 from megascale.core.model.moe import update_expert_biases
 from megascale.core.parallel import ParallelPlan, clip_grad_norm_, materialize, parallelize
-from megascale.core.parallel.ep.dispatch import regroup_by_expert
+from megascale.core.parallel.ep.dispatch import regroup_by_expert, split_by_expert
 from tests._dist import run_distributed
 from tests._models import full_weights
 from tests.core._tiny import TINY_GQA_GPT
@@ -44,6 +46,63 @@ def test_rows_arriving_by_source_are_regrouped_by_expert() -> None:
     order = regroup_by_expert(counts).tolist()
     assert [arrived[i] for i in order] == ["s0e0a", "s0e0b", "s1e0", "s1e1a", "s1e1b", "s1e1c", "s0e2"]
     assert regroup_by_expert(torch.zeros(2, 2, dtype=torch.long)).tolist() == []
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 3])
+def test_rows_sorted_by_expert_are_cut_into_parts_still_sorted_by_expert(chunks: int) -> None:
+    counts = torch.tensor([5, 0, 2, 7])
+    expert_of_row = torch.repeat_interleave(torch.arange(4), counts)
+    parts, indices = split_by_expert(counts, chunks)
+    assert parts.sum(0).tolist() == counts.tolist() and parts.shape == (chunks, 4)
+    assert (parts.max(0).values - parts.min(0).values).max() <= 1  # even parts of every expert
+    assert sorted(torch.cat(indices).tolist()) == list(range(14))  # every row in exactly one part
+    for c, idx in enumerate(indices):
+        assert torch.bincount(expert_of_row[idx], minlength=4).tolist() == parts[c].tolist()
+        assert torch.equal(expert_of_row[idx], expert_of_row[idx].sort().values)
+
+
+def _overlap_worker(rank: int, world: int) -> list[str]:
+    """One MoE layer's forward at ep=2 with 2 parts, recording when each all-to-all is issued and waited."""
+    import megascale.core.parallel.ep.dispatch as dispatch
+
+    events: list[str] = []
+    issue = dispatch.all_to_all_single_autograd
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        events.append("send")
+        return issue(*args, **kwargs)
+
+    dispatch.all_to_all_single_autograd = recorded
+    plan = ParallelPlan(ep=2, zero_stage=0)
+    mesh = plan.dims(world).build_mesh("cpu")
+    with torch.device("meta"):
+        model = _build(True)
+    runtime = parallelize(model, plan, mesh, device="cpu")
+
+    @contextlib.contextmanager
+    def timer(kind: str) -> Iterator[None]:
+        events.append(f"wait {kind}")
+        yield
+
+    runtime.set_wait_timer(timer)
+    layer = model.blocks["0"].moe
+    layer(torch.randn(2, SEQ, model.config.d_model))
+    return events
+
+
+def test_the_parts_travel_while_the_experts_compute_the_ones_that_arrived() -> None:
+    """MegaScale-MoE's overlap: both parts' rows are sent before the first is waited for; part 0's outputs
+    are sent back before part 1 is waited for; the waits are timed (megascale-ft's timelines show them)."""
+    for events in run_distributed(_overlap_worker, 2, timeout=120):
+        assert events == [
+            "send",
+            "send",  # both parts on their way
+            "wait ep-all-to-all",
+            "send",  # part 0 arrived, computed, its outputs sent back
+            "wait ep-all-to-all",
+            "send",  # part 1 likewise
+            "wait ep-all-to-all",  # the outputs back
+        ], events
 
 
 def _config(aux: bool = True) -> GPTConfig:
@@ -146,6 +205,8 @@ def _compare(got: dict[str, Any], want: dict[str, Any], name: str) -> None:
 
 TWO_RANKS = [
     (dict(ep=2, zero_stage=0), True),  # every expert on one of the two ranks, no expert replicas
+    (dict(ep=2, zero_stage=0, ep_comm_chunks=1), True),  # no overlap: one all-to-all each way
+    (dict(ep=2, zero_stage=0, ep_comm_chunks=3), True),
     (dict(zero_stage=1), True),  # ep=1: experts are dense parameters, ZeRO-1 shards them like the rest
     (dict(ep=2, zero_stage=1, zero1_sharding="parameters"), True),  # dense states by owner over dp
     (dict(pp=2, zero_stage=0, num_microbatches=2), True),  # each stage's balancing losses into backward

@@ -83,6 +83,8 @@ class MegaScaleStrategy(ParallelStrategy):
             chunks; gradients are averaged and ZeRO shards over dp × cp.
         ep: expert-parallel size: a megascale GPT's mixture of experts (``GPTConfig.moe``) keeps 1/ep of its
             experts on each of ``ep`` data-parallel ranks, tokens moved to them by all-to-all; must divide dp.
+        ep_comm_chunks: with ep > 1, each MoE layer's rows travel in this many parts, so that one part's
+            all-to-all overlaps another's expert computation (1: no overlap).
         num_microbatches: microbatches per step with pp > 1 (default pp); each rank's batch is split into them.
         schedule: pipeline schedule: "1f1b" (megascale's decoupled 1F1B), "interleaved" (needs
             virtual_stages ≥ 2) or "gpipe".
@@ -128,6 +130,7 @@ class MegaScaleStrategy(ParallelStrategy):
         pp: int = 1,
         cp: int = 1,
         ep: int = 1,
+        ep_comm_chunks: int = 2,
         num_microbatches: int | None = None,
         schedule: Literal["1f1b", "interleaved", "gpipe"] = "1f1b",
         virtual_stages: int = 1,
@@ -161,7 +164,7 @@ class MegaScaleStrategy(ParallelStrategy):
             precision_plugin=precision_plugin,
         )
         self.plan = ParallelPlan(
-            tp=tp, pp=pp, cp=cp, ep=ep, zero_stage=zero_stage, zero1_sharding=zero1_sharding, num_microbatches=num_microbatches, schedule=schedule,
+            tp=tp, pp=pp, cp=cp, ep=ep, ep_comm_chunks=ep_comm_chunks, zero_stage=zero_stage, zero1_sharding=zero1_sharding, num_microbatches=num_microbatches, schedule=schedule,
             virtual_stages=virtual_stages, pipeline_split=tuple(pipeline_split) if pipeline_split else None,
             sequence_parallel=sequence_parallel, overlap_tp_comm=overlap_tp_comm, tp_comm_chunks=tp_comm_chunks,
             overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather,

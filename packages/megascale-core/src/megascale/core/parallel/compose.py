@@ -101,6 +101,8 @@ class ParallelRuntime:
     #: with ep > 1: the mesh with "dp" seen as ("edp", "ep") (``ep.expert_mesh``): experts are split over "ep"
     #: and replicated over "edp"
     expert_mesh: DeviceMesh | None = None
+    #: with ep > 1: this rank's MoE layers' all-to-all dispatchers (their waits are timed)
+    ep_dispatchers: list[WaitTimed] = field(default_factory=list)
 
     def check_first_step(self) -> None:
         """Every rank, after the first step's backward and before its optimizer step: raise, on every rank,
@@ -154,6 +156,8 @@ class ParallelRuntime:
             self.pipeline.set_wait_timer(timer)
         for layer in self.tp_layers:  # each hands it to its autograd functions, for backward's waits
             layer.wait_timer = timer
+        for dispatcher in self.ep_dispatchers:  # the all-to-alls' arrivals
+            dispatcher.wait_timer = timer
 
     def checkpoint_layout(self) -> CheckpointLayout:
         partial = self.dims.pp > 1 or self.zero.checkpoint_partial
@@ -204,8 +208,9 @@ def parallelize(
         _apply_context_parallel(module, gpts, mesh["cp"])
     experts: list[nn.Parameter] = []
     emesh: DeviceMesh | None = None
+    dispatchers: list[WaitTimed] = []
     if plan.ep > 1:  # 1c.
-        experts, emesh = _apply_expert_parallel(module, gpts, mesh, plan.ep)
+        experts, emesh, dispatchers = _apply_expert_parallel(module, gpts, mesh, plan)
     edp_mesh = emesh["edp"] if emesh is not None else None
     replicas = _replica_mesh(mesh, dims)
     stages: list[StageModule] = []
@@ -274,7 +279,7 @@ def parallelize(
             warnings.warn(note, stacklevel=2)
     return ParallelRuntime(
         plan=plan, dims=dims, mesh=mesh, zero=zero, pipeline=pipeline, rng=rng, notes=notes,
-        tp_layers=tp_layers, region_check=region_check, expert_mesh=emesh,
+        tp_layers=tp_layers, region_check=region_check, expert_mesh=emesh, ep_dispatchers=dispatchers,
     )  # fmt: skip
 
 
@@ -483,10 +488,11 @@ def _apply_context_parallel(module: nn.Module, gpts: list[GPT], cp_mesh: DeviceM
 
 
 def _apply_expert_parallel(
-    module: nn.Module, gpts: list[GPT], mesh: DeviceMesh, ep: int
-) -> tuple[list[nn.Parameter], DeviceMesh]:
+    module: nn.Module, gpts: list[GPT], mesh: DeviceMesh, plan: ParallelPlan
+) -> tuple[list[nn.Parameter], DeviceMesh, list[WaitTimed]]:
     from megascale.core.parallel.ep.apply import apply_expert_parallel, expert_mesh, expert_params
 
+    ep = plan.ep
     moe_gpts = [g for g in gpts if g.config.moe is not None]
     if not moe_gpts:
         raise ValueError(
@@ -494,9 +500,10 @@ def _apply_expert_parallel(
             "holds none (GPTConfig.moe); a model of your own cannot be split by experts yet; use ep=1"
         )
     emesh = expert_mesh(mesh, ep)
+    dispatchers: list[WaitTimed] = []
     for gpt in moe_gpts:
-        apply_expert_parallel(gpt, emesh["ep"])
-    return [p for gpt in moe_gpts for p in expert_params(gpt)], emesh
+        dispatchers += apply_expert_parallel(gpt, emesh["ep"], plan.ep_comm_chunks)
+    return [p for gpt in moe_gpts for p in expert_params(gpt)], emesh, dispatchers
 
 
 def _expert_replicas(

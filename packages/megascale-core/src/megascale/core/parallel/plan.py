@@ -38,6 +38,8 @@ class ParallelPlan:
             data-parallel gradient reduction and ZeRO span dp × cp ranks.
         ep: expert-parallel size: a mixture of experts' experts split over ``ep`` of the data-parallel ranks,
             tokens moved to them by all-to-all (``parallel/ep``); must divide dp.
+        ep_comm_chunks: with ep > 1, each MoE layer's rows go in this many parts, so that the all-to-all of
+            one overlaps the experts' computation of another (1: no overlap).
         zero_stage: 0 replicate everything (DDP-like); 1 shard optimizer state; 2 also gradients;
             3 also parameters (refused with pp > 1: it would gather every stage's parameters again for each
             microbatch).
@@ -68,6 +70,7 @@ class ParallelPlan:
     zero_stage: int = 1
     cp: int = 1
     ep: int = 1
+    ep_comm_chunks: int = 2
     zero1_sharding: Literal["elements", "parameters"] = "elements"
     num_microbatches: int | None = None
     schedule: Literal["1f1b", "interleaved", "gpipe"] = "1f1b"
@@ -83,7 +86,7 @@ class ParallelPlan:
     checkpoint_modules: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "cp", "ep", "tp_comm_chunks", "virtual_stages"):
+        for name in ("tp", "pp", "cp", "ep", "tp_comm_chunks", "ep_comm_chunks", "virtual_stages"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r}: must be a positive integer")

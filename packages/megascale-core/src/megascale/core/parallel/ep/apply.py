@@ -74,11 +74,13 @@ def expert_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
     return mesh._unflatten("dp", (dp // ep, ep), ("edp", "ep"))
 
 
-def apply_expert_parallel(gpt: GPT, ep_mesh: DeviceMesh) -> None:
-    """Split every MoE layer of ``gpt`` over ``ep_mesh`` (1-D, "ep"), in place; on the meta device too."""
+def apply_expert_parallel(gpt: GPT, ep_mesh: DeviceMesh, chunks: int = 2) -> list[AllToAllDispatcher]:
+    """Split every MoE layer of ``gpt`` over ``ep_mesh`` (1-D, "ep"), in place; on the meta device too.
+    ``chunks``: see ``AllToAllDispatcher``. Returns the layers' dispatchers."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
     layers = moe_layers(gpt)
+    dispatchers = []
     if not layers:
         raise ValueError(f"ep={ep_mesh.size()}: this GPT has no mixture of experts (GPTConfig.moe) to split")
     for layer in layers:
@@ -86,7 +88,10 @@ def apply_expert_parallel(gpt: GPT, ep_mesh: DeviceMesh) -> None:
         for name, param in list(experts.named_parameters(recurse=False)):
             dt = distribute_tensor(param.detach(), ep_mesh, [Shard(0)])
             setattr(experts, name, nn.Parameter(dt, requires_grad=param.requires_grad))
-        layer.dispatcher = AllToAllDispatcher(ep_mesh.get_group(), layer.router.moe.num_experts)
+        dispatcher = AllToAllDispatcher(ep_mesh.get_group(), layer.router.moe.num_experts, chunks)
+        layer.dispatcher = dispatcher
+        dispatchers.append(dispatcher)
+    return dispatchers
 
 
 def expert_params(module: nn.Module) -> list[nn.Parameter]:

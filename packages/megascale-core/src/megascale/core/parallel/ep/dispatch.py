@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
+from megascale.core.parallel.wait_timer import WaitTimer, untimed
+
 if TYPE_CHECKING:
     from megascale.core.model.moe import GroupedExperts
 
@@ -38,6 +40,23 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.scale, None  # type: ignore[attr-defined]
 
 
+def split_by_expert(counts: torch.Tensor, chunks: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Cut rows sorted by expert (``counts[e]`` rows of expert e) into ``chunks`` parts, each still sorted by
+    expert and holding about 1/chunks of every expert's rows: (each part's counts (chunks, E), each part's row
+    indices)."""
+    base, extra = counts // chunks, counts % chunks
+    parts = torch.stack([base + (c < extra).to(counts.dtype) for c in range(chunks)])  # (chunks, E)
+    starts = torch.cumsum(counts, 0) - counts
+    before = torch.cumsum(parts, 0) - parts  # rows of each expert in the earlier parts
+    indices = []
+    for c in range(chunks):
+        sizes = parts[c]
+        offsets = torch.cumsum(sizes, 0) - sizes
+        firsts = torch.repeat_interleave(starts + before[c] - offsets, sizes)
+        indices.append(firsts + torch.arange(int(sizes.sum()), device=counts.device))
+    return parts, indices
+
+
 def regroup_by_expert(counts: torch.Tensor) -> torch.Tensor:
     """Row indices that reorder rows arriving by (source rank, local expert) — ``counts[s, j]`` rows from rank
     s for expert j — into (local expert, source rank) order, so that each expert's rows are consecutive."""
@@ -54,27 +73,57 @@ def regroup_by_expert(counts: torch.Tensor) -> torch.Tensor:
 
 class AllToAllDispatcher:
     """What an ``MoE`` layer calls under expert parallelism (``MoE.dispatcher``) over ``group``, the "ep"
-    ranks; ``num_experts``: the layer's routed experts (all of them, not this rank's)."""
+    ranks; ``num_experts``: the layer's routed experts (all of them, not this rank's).
 
-    def __init__(self, group: dist.ProcessGroup, num_experts: int) -> None:
+    ``chunks`` > 1 overlaps the exchange with the experts' computation (MegaScale-MoE's point): every expert's
+    rows are cut into that many parts, each part's all-to-all is issued at once (they run asynchronously), and
+    the experts compute part c while part c+1 still travels and part c−1's outputs travel back. The waits for
+    the arrivals (kind ``"ep-all-to-all"``) go to ``wait_timer``, and so into megascale-ft's timelines: with
+    overlap, the later parts' waits shrink. The result is the same for any ``chunks`` (each row is computed
+    alone; only the grouping of rows into GEMMs changes)."""
+
+    wait_timer: WaitTimer
+
+    def __init__(self, group: dist.ProcessGroup, num_experts: int, chunks: int = 2) -> None:
         self.group = group
+        self.wait_timer = untimed
         self.ep = dist.get_world_size(group)
         if num_experts % self.ep:
             raise ValueError(f"{num_experts} experts cannot be split over ep={self.ep} ranks")
+        if chunks < 1:
+            raise ValueError(f"ep_comm_chunks={chunks} must be >= 1")
         self.local_experts = num_experts // self.ep
+        self.chunks = chunks
 
     def __call__(self, rows: torch.Tensor, counts: torch.Tensor, experts: GroupedExperts) -> torch.Tensor:
-        send = counts.view(self.ep, self.local_experts)  # rows for each rank's experts, in expert order
+        ep, local = self.ep, self.local_experts
+        parts, indices = split_by_expert(counts, self.chunks)
+        # one exchange of every part's counts: received[s, c, j] = rows rank s sends for part c to expert j
+        send = parts.view(self.chunks, ep, local).transpose(0, 1).contiguous()
         received = torch.empty_like(send)
-        dist.all_to_all_single(received, send, group=self.group)  # received[s, j]: from rank s for expert j
-        send_splits, receive_splits = send.sum(1).tolist(), received.sum(1).tolist()
-        arrived = all_to_all_single_autograd(rows, receive_splits, send_splits, self.group)
-        order = regroup_by_expert(received)
-        # gradients: x ep into the rows (undoing the 1/ep below for them), / ep into the expert weights
-        rows_in = _ScaleGrad.apply(arrived.index_select(0, order), float(self.ep))
-        out = _ScaleGrad.apply(experts(rows_in, received.sum(0)), 1.0 / self.ep)
-        back = out.index_select(0, torch.argsort(order))
-        return all_to_all_single_autograd(back, send_splits, receive_splits, self.group)
+        dist.all_to_all_single(received, send, group=self.group)
+        splits = [(send[:, c].sum(1).tolist(), received[:, c].sum(1).tolist()) for c in range(self.chunks)]
+        # every part's rows on their way at once (functional collectives: waited for where first used)
+        arrivals = [
+            all_to_all_single_autograd(rows.index_select(0, idx), out, into, self.group)
+            for idx, (into, out) in zip(indices, splits, strict=True)
+        ]
+        returns = []
+        for c, arrived in enumerate(arrivals):
+            order = regroup_by_expert(received[:, c])
+            with self.wait_timer("ep-all-to-all"):
+                grouped = arrived.index_select(0, order)
+            # gradients: x ep into the rows (undoing the 1/ep below for them), / ep into the expert weights
+            rows_in = _ScaleGrad.apply(grouped, float(ep))
+            out = _ScaleGrad.apply(experts(rows_in, received[:, c].sum(0)), 1.0 / ep)
+            back = out.index_select(0, torch.argsort(order))
+            into, out_splits = splits[c]
+            returns.append(all_to_all_single_autograd(back, into, out_splits, self.group))
+        with self.wait_timer("ep-all-to-all"):
+            done = torch.cat(returns) if len(returns) > 1 else returns[0] * 1
+        if self.chunks == 1:
+            return done
+        return done.index_select(0, torch.argsort(torch.cat(indices)))
 
     def __repr__(self) -> str:
-        return f"AllToAllDispatcher(ep={self.ep}, local_experts={self.local_experts})"
+        return f"AllToAllDispatcher(ep={self.ep}, local_experts={self.local_experts}, chunks={self.chunks})"
