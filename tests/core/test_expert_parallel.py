@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from megascale.core import GPT, GPTConfig
 from megascale.core.config import MoEConfig
-from megascale.core.model.moe import update_expert_biases
+from megascale.core.model.moe import MoE, take_balancing_losses, update_expert_biases
 from megascale.core.parallel import ParallelPlan, clip_grad_norm_, materialize, parallelize
 from megascale.core.parallel.ep.dispatch import regroup_by_expert, split_by_expert
 from tests._dist import run_distributed
@@ -268,3 +268,99 @@ def test_ep_must_divide_the_data_parallel_ranks() -> None:
         ValueError, match=r"ep=4 must divide the data-parallel size dp=2.*choose ep among \[1, 2\]"
     ):
         ParallelPlan(ep=4, tp=2).dims(4)
+
+
+# ---- a model of one's own using megascale's MoE layer ---------------------------------------------------
+
+
+class _OwnBlock(torch.nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(config.d_model)
+        self.moe = MoE(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.moe(self.norm(x))
+
+
+class OwnMoELM(torch.nn.Module):
+    """A user's own language model (torch.nn layers) whose feed-forwards are megascale's MoE layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        moe = MoEConfig(num_experts=4, top_k=2, expert_hidden=32, aux_loss_coef=0.05, bias_update_rate=1e-3)
+        config = GPTConfig(vocab_size=60, d_model=32, n_heads=4, moe=moe)
+        self.embed = torch.nn.Embedding(64, 32)
+        self.blocks = torch.nn.ModuleList([_OwnBlock(config) for _ in range(2)])
+        self.head = torch.nn.Linear(32, 64)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        loss = torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+        balancing = take_balancing_losses(self)
+        return loss if balancing is None else loss + balancing
+
+
+def _own_reference() -> dict[str, Any]:
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = OwnMoELM()
+    materialize(model, "cpu", seed=torch.initial_seed())
+    return {**_train(model, None, 0, 1), "weights": full_weights(model)}  # type: ignore[arg-type]
+
+
+def _own_worker(rank: int, world: int, layouts: list[dict[str, Any]]) -> dict[str, Any]:
+    out = {}
+    for kw in layouts:
+        plan = ParallelPlan(**kw)
+        mesh = plan.dims(world).build_mesh("cpu")
+        torch.manual_seed(0)
+        with torch.device("meta"):
+            model = OwnMoELM()
+        runtime = parallelize(model, plan, mesh, device="cpu")
+        got = _train(model, runtime, mesh["dp"].get_local_rank(), mesh["dp"].size())  # type: ignore[arg-type]
+        out[repr(kw)] = {**got, "weights": full_weights(model)}
+        runtime.zero.remove()
+    return out
+
+
+def test_a_model_of_ones_own_with_megascales_moe_layers_trains_like_one_process_under_ep() -> None:
+    layouts = [
+        dict(ep=2, zero_stage=0),
+        dict(ep=2, zero_stage=1, zero1_sharding="parameters"),
+        dict(ep=2, zero_stage=3),
+    ]
+    want = _own_reference()
+    for rank, result in enumerate(run_distributed(_own_worker, 2, layouts, timeout=180)):
+        for kw in layouts:
+            _compare(result[repr(kw)], want, f"own model {kw}, rank {rank}")
+
+
+def test_a_balancing_loss_left_out_of_the_loss_is_an_error_at_the_next_step() -> None:
+    torch.manual_seed(0)
+    model = OwnMoELM()
+    tokens = torch.randint(0, 60, (2, 8))
+    x = model.embed(tokens)
+    model.blocks[0](x).sum().backward()  # a loss of one's own, without take_balancing_losses
+    with pytest.raises(RuntimeError, match="balancing loss of the previous training forward was never added"):
+        model.blocks[0](x)
+
+
+def _own_tp_worker(rank: int, world: int) -> str:
+    plan = ParallelPlan(tp=2)
+    with torch.device("meta"):
+        model = OwnMoELM()
+    try:
+        parallelize(model, plan, plan.dims(world).build_mesh("cpu"), device="cpu")
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_what_a_model_of_ones_own_with_moe_layers_cannot_do_is_refused_by_name() -> None:
+    for message in run_distributed(_own_tp_worker, 2, timeout=120):
+        assert "MoE layers ['blocks.0.moe', 'blocks.1.moe'] of a model of your own with tp=2" in message, (
+            message
+        )

@@ -19,6 +19,7 @@ Load balancing, both optional and both layout independent:
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -162,8 +163,13 @@ class Dispatcher(Protocol):
 class MoE(nn.Module):
     """The mixture-of-experts feed-forward: ``forward(x)`` maps (B, T, d_model) to (B, T, d_model).
 
-    The balancing loss of the last training forward is left in ``pending_loss`` for the GPT holding this
-    layer to add to its loss (``GPT.forward`` takes it); ``dispatcher`` is set by expert parallelism."""
+    The balancing loss of the last training forward is left in ``pending_loss`` for the model holding this
+    layer to add to its loss: a GPT does (``GPT.forward`` takes it); a model of your own using this layer adds
+    ``take_balancing_losses(self)`` to its loss (a pipeline stage does it itself). A loss left untaken is an
+    error at the next training forward, never silently dropped. ``dispatcher`` is set by expert parallelism.
+
+    A model of your own builds it from a ``GPTConfig`` holding its widths (``d_model``, ``activation``,
+    ``moe``); ``init_weights`` initialises it where the model is built on the meta device."""
 
     dispatcher: Dispatcher | None = None
     pending_loss: torch.Tensor | None = None
@@ -180,6 +186,25 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(config)
         shared = config.moe.shared_experts
         self.shared = MLP(config, hidden=shared * config.expert_dim) if shared else None
+
+    @torch.no_grad()
+    def init_weights(self, std: float = 0.02, seed: int | None = None) -> None:
+        """Normal(0, std) weights (each expert's down projection ×1/√2), each parameter from a generator seeded
+        by ``seed`` (default: ``torch.initial_seed()``) and its name: the same values in every layout; router
+        biases and counts zero. (Inside a megascale GPT its ``init_weights`` does this instead.)"""
+        base = torch.initial_seed() if seed is None else seed
+        for name, param in self.named_parameters():
+            if name.endswith("bias"):
+                local(param).zero_()
+                continue
+            scale = 2**-0.5 if name.endswith("down") or name.endswith("down.weight") else 1.0
+            gen = torch.Generator().manual_seed((base + zlib.crc32(name.encode())) % 2**63)
+            whole = torch.empty(param.shape, dtype=param.dtype).normal_(0.0, std * scale, generator=gen)
+            _copy_whole_(param, whole)
+        if self.router.expert_bias is not None:
+            local(self.router.expert_bias).zero_()
+        local(self.router.tokens_per_expert).zero_()
+        self.pending_loss = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # the balancing statistics and the routing are then those of whole sequences, as on one process (the
@@ -208,9 +233,16 @@ class MoE(nn.Module):
         routing = self.router(flat)
         if self.training and torch.is_grad_enabled():
             # computed again when activation checkpointing recomputes this forward (which must save the same
-            # tensors as the first one), but left for the GPT only once
+            # tensors as the first one), but left for the model only once
             loss = self.router.balancing_loss(routing, batch, seq)
             if not _in_backward():
+                if self.pending_loss is not None and loss is not None:
+                    raise RuntimeError(
+                        "MoE: the balancing loss of the previous training forward was never added to a loss "
+                        "(aux_loss_coef/z_loss_coef > 0): add megascale.core.model.moe.take_balancing_losses(model) "
+                        "to the loss you backpropagate (a megascale GPT given targets does), or set "
+                        "aux_loss_coef=0 and z_loss_coef=0"
+                    )
                 self.pending_loss = loss
         n, k = routing.experts.shape
         chosen = routing.experts.flatten()
@@ -252,6 +284,21 @@ def attach_balancing_losses(
     if loss is None:
         return x, None
     return _AttachLoss.apply(x, loss, scale), loss.detach()
+
+
+def _copy_whole_(param: torch.Tensor, whole: torch.Tensor) -> None:
+    """``param`` (or its shard, when it is a DTensor) := ``whole`` (or the shard of it)."""
+    from megascale.core._dtensor import is_dtensor
+
+    if not is_dtensor(param):
+        param.copy_(whole.to(param.device))
+        return
+    from torch.distributed.tensor import distribute_tensor
+
+    shard = distribute_tensor(
+        whole.to(local(param).device), param.device_mesh, param.placements, src_data_rank=None
+    )  # type: ignore[attr-defined]
+    local(param).copy_(shard.to_local())
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:

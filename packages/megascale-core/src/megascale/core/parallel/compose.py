@@ -201,6 +201,7 @@ def parallelize(
     region_check: RegionCheck | None = None
     gpts = [m for m in module.modules() if isinstance(m, GPT)]
 
+    _check_own_moe_layers(module, gpts, dims)
     if dims.tp > 1:  # 1.
         tp_notes, region_check = _apply_tensor_parallel(module, gpts, plan, mesh["tp"])
         notes += tp_notes
@@ -487,23 +488,28 @@ def _apply_context_parallel(module: nn.Module, gpts: list[GPT], cp_mesh: DeviceM
 # ---- 1c. expert parallelism ------------------------------------------------------------------------------
 
 
+def _check_own_moe_layers(module: nn.Module, gpts: list[GPT], dims: ParallelDims) -> None:
+    """A model of one's own using megascale's MoE layers: what its layouts cannot do yet, by name."""
+    from megascale.core.model.moe import MoE
+
+    inside = {id(m) for gpt in gpts for m in gpt.modules()}
+    own = [n for n, m in module.named_modules() if isinstance(m, MoE) and id(m) not in inside]
+    if own and (dims.tp > 1 or dims.cp > 1):
+        raise ValueError(
+            f"MoE layers {own} of a model of your own with tp={dims.tp}, cp={dims.cp}: routing whole sequences "
+            "on every tp/cp rank is wired for megascale GPTs only so far; use tp=1 and cp=1 (ep, pp, dp and "
+            "ZeRO work), or a megascale GPT with GPTConfig.moe"
+        )
+
+
 def _apply_expert_parallel(
     module: nn.Module, gpts: list[GPT], mesh: DeviceMesh, plan: ParallelPlan
 ) -> tuple[list[nn.Parameter], DeviceMesh, list[WaitTimed]]:
     from megascale.core.parallel.ep.apply import apply_expert_parallel, expert_mesh, expert_params
 
-    ep = plan.ep
-    moe_gpts = [g for g in gpts if g.config.moe is not None]
-    if not moe_gpts:
-        raise ValueError(
-            f"ep={ep}: expert parallelism splits a megascale GPT's mixture of experts, and {type(module).__name__} "
-            "holds none (GPTConfig.moe); a model of your own cannot be split by experts yet; use ep=1"
-        )
-    emesh = expert_mesh(mesh, ep)
-    dispatchers: list[WaitTimed] = []
-    for gpt in moe_gpts:
-        dispatchers += apply_expert_parallel(gpt, emesh["ep"], plan.ep_comm_chunks)
-    return [p for gpt in moe_gpts for p in expert_params(gpt)], emesh, dispatchers
+    emesh = expert_mesh(mesh, plan.ep)
+    dispatchers: list[WaitTimed] = list(apply_expert_parallel(module, emesh["ep"], plan.ep_comm_chunks))
+    return expert_params(module), emesh, dispatchers
 
 
 def _expert_replicas(

@@ -24,8 +24,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
-from megascale.core.model.gpt import GPT
-from megascale.core.model.moe import moe_layers
+from megascale.core.model.moe import MoE, moe_layers
 from megascale.core.parallel.ep.dispatch import AllToAllDispatcher
 from megascale.core.parallel.zero import ZeroRuntime
 
@@ -74,16 +73,32 @@ def expert_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
     return mesh._unflatten("dp", (dp // ep, ep), ("edp", "ep"))
 
 
-def apply_expert_parallel(gpt: GPT, ep_mesh: DeviceMesh, chunks: int = 2) -> list[AllToAllDispatcher]:
-    """Split every MoE layer of ``gpt`` over ``ep_mesh`` (1-D, "ep"), in place; on the meta device too.
+def apply_expert_parallel(
+    module: nn.Module, ep_mesh: DeviceMesh, chunks: int = 2
+) -> list[AllToAllDispatcher]:
+    """Split every MoE layer under ``module`` (a megascale GPT's, or a model of your own using
+    ``megascale.core.model.moe.MoE``) over ``ep_mesh`` (1-D, "ep"), in place; on the meta device too.
     ``chunks``: see ``AllToAllDispatcher``. Returns the layers' dispatchers."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    layers = moe_layers(gpt)
+    ep = ep_mesh.size()
+    named = [(n, m) for n, m in module.named_modules() if isinstance(m, MoE)]
+    if not named:
+        raise ValueError(
+            f"ep={ep}: expert parallelism splits mixtures of experts, and {type(module).__name__} holds none (a "
+            "megascale GPT with GPTConfig.moe, or megascale.core.model.moe.MoE layers in a model of your own); "
+            "use ep=1"
+        )
+    for name, layer in named:
+        experts = layer.router.moe.num_experts
+        if experts % ep:
+            fits = [n for n in range(1, experts + 1) if experts % n == 0]
+            raise ValueError(
+                f"MoE layer {name or type(module).__name__}: num_experts={experts} cannot be split over ep={ep} "
+                f"ranks; choose ep among {fits}"
+            )
     dispatchers = []
-    if not layers:
-        raise ValueError(f"ep={ep_mesh.size()}: this GPT has no mixture of experts (GPTConfig.moe) to split")
-    for layer in layers:
+    for _, layer in named:
         experts = layer.experts
         for name, param in list(experts.named_parameters(recurse=False)):
             dt = distribute_tensor(param.detach(), ep_mesh, [Shard(0)])
