@@ -95,6 +95,7 @@ def test_the_parts_travel_while_the_experts_compute_the_ones_that_arrived() -> N
     are sent back before part 1 is waited for; the waits are timed (megascale-ft's timelines show them)."""
     for events in run_distributed(_overlap_worker, 2, timeout=120):
         assert events == [
+            "wait ep-all-to-all",  # the parts' row counts (blocking: where a slower peer is waited for)
             "send",
             "send",  # both parts on their way
             "wait ep-all-to-all",

@@ -26,6 +26,7 @@ from lightning.pytorch import Trainer, seed_everything
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from megascale.core import GPTConfig
+from megascale.core.config import MoEConfig
 from megascale.ft.lightning import FaultTolerance
 from megascale.lightning import GPTModule, MegaScaleStrategy, TokenDataModule
 from tests._dist import finish_and_exit
@@ -34,9 +35,13 @@ CONFIG = GPTConfig(vocab_size=100, d_model=32, n_layers=2, n_heads=4, n_kv_heads
                    pad_vocab_to_multiple_of=64, dropout=0.1)  # fmt: skip
 
 
+# --ep: the same GPT with every MLP a mixture of 4 experts (top 2, every balancing on), split over the ranks
+MOE = MoEConfig(num_experts=4, top_k=2, expert_hidden=32, aux_loss_coef=0.01, bias_update_rate=1e-3)
+
+
 class FaultyGPT(GPTModule):
-    def __init__(self, fault: str, **kwargs: Any) -> None:
-        super().__init__(CONFIG, **kwargs)
+    def __init__(self, fault: str, config: GPTConfig = CONFIG, **kwargs: Any) -> None:
+        super().__init__(config, **kwargs)
         self.kind, self.at, self.who = "", -1, -1
         if fault and os.environ.get("MEGASCALE_FT_ATTEMPT", "0") == "0":
             self.kind, where = fault.split("@")
@@ -58,6 +63,7 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--zero-stage", type=int, default=1)
+    parser.add_argument("--ep", type=int, default=1, help="expert parallelism (a mixture of experts GPT)")
     parser.add_argument("--microbatches", type=int, default=None, help="pipeline microbatches (default pp)")
     parser.add_argument("--every", type=int, default=2, help="checkpoint every this many steps")
     parser.add_argument("--max-bytes", type=int, default=20_000, help="tokens (210: 12 training windows)")
@@ -66,14 +72,15 @@ def main() -> None:
     torch.set_num_threads(1)
     seed_everything(0)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    model = FaultyGPT(args.fault, lr=1e-3, warmup_steps=2, decay_steps=20, init_seed=0)
+    config = dataclasses.replace(CONFIG, moe=MOE) if args.ep > 1 else CONFIG
+    model = FaultyGPT(args.fault, config, lr=1e-3, warmup_steps=2, decay_steps=20, init_seed=0)
     data = TokenDataModule(
         source="random:100", seq_len=16, batch_size=4, max_bytes=args.max_bytes, shuffle=True
     )
     torch.manual_seed(100 + int(os.environ.get("RANK", "0")))  # a different dropout stream per rank
     ft = FaultTolerance(args.ckpt, every_n_steps=args.every, keep_last=2)
     strategy = MegaScaleStrategy(
-        tp=args.tp, pp=args.pp, zero_stage=args.zero_stage, num_microbatches=args.microbatches,
+        tp=args.tp, pp=args.pp, ep=args.ep, zero_stage=args.zero_stage, num_microbatches=args.microbatches,
         timeout=ft.collective_timeout,
     )  # fmt: skip
     trainer = Trainer(

@@ -34,6 +34,7 @@ LAYOUTS = {  # name: (ranks, script arguments)
     "dp2/zero0": (2, ["--tp", "1", "--zero-stage", "0"]),
     "pp2": (2, ["--tp", "1", "--pp", "2"]),
     "tp2xpp2": (4, ["--tp", "2", "--pp", "2"]),
+    "ep2": (2, ["--tp", "1", "--ep", "2", "--zero-stage", "0"]),  # experts split over the ranks (MoE GPT)
 }
 DATA = ["--every", "3", "--max-bytes", "210"]
 
@@ -42,7 +43,11 @@ DATA = ["--every", "3", "--max-bytes", "210"]
 # layouts' checkpoints are what these are made of (and resume across layouts: tests/conformance)
 # CI tier: tp2×pp2; a ZeRO-1 checkpoint's replicas reading once is tests/ft/test_restore.py's, and resuming ZeRO-1
 # state under other layouts the conformance matrix's
-KILLED = ["tp2xpp2", pytest.param("dp2/zero1", marks=pytest.mark.slow)]
+KILLED = [
+    "tp2xpp2",
+    pytest.param("dp2/zero1", marks=pytest.mark.slow),
+    pytest.param("ep2", marks=pytest.mark.slow),
+]
 
 
 @pytest.mark.parametrize("layout", KILLED)
@@ -79,6 +84,9 @@ STRAGGLERS: dict[str, tuple[int, str, list[str], list[str]]] = {
     # this tiny model) put it at ~1.25x the median in clean runs on 2 busy cores, the slow rank at 3-4.5x:
     # hence the threshold 1.5, and 4 microbatches (a shorter last backward to wait for)
     "tp2xpp2": (1, "wait/tp-", ["--microbatches", "4"], ["--straggler-threshold=1.5"]),
+    # its peer waits for the slow rank's tokens in each MoE layer's all-to-all (MegaScale-MoE's overlap shows
+    # in these sections: the later parts' waits shrink)
+    "ep2": (1, "wait/ep-all-to-all", [], []),
 }
 
 

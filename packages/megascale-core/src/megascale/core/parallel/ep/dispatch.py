@@ -101,7 +101,8 @@ class AllToAllDispatcher:
         # one exchange of every part's counts: received[s, c, j] = rows rank s sends for part c to expert j
         send = parts.view(self.chunks, ep, local).transpose(0, 1).contiguous()
         received = torch.empty_like(send)
-        dist.all_to_all_single(received, send, group=self.group)
+        with self.wait_timer("ep-all-to-all"):  # blocking: where a rank waits for a slower peer's tokens
+            dist.all_to_all_single(received, send, group=self.group)
         splits = [(send[:, c].sum(1).tolist(), received[:, c].sum(1).tolist()) for c in range(self.chunks)]
         # every part's rows on their way at once (functional collectives: waited for where first used)
         arrivals = [
