@@ -14,6 +14,7 @@ from megascale.core._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from megascale.core.config import GPTConfig as GPTConfig
+    from megascale.core.config import MoEConfig as MoEConfig
     from megascale.core.model import GPT as GPT
     from megascale.core.model import flops_per_token as flops_per_token
     from megascale.core.model.generate import generate as generate
@@ -30,6 +31,7 @@ except PackageNotFoundError:  # running from a source tree that is not installed
 _LAZY = {
     "GPT": "megascale.core.model",
     "GPTConfig": "megascale.core.config",
+    "MoEConfig": "megascale.core.config",
     "apply_activation_checkpointing": "megascale.core.parallel",
     "apply_tensor_parallel": "megascale.core.parallel",
     "flops_per_token": "megascale.core.model",

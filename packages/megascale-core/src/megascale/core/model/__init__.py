@@ -7,6 +7,7 @@ from megascale.core.model.gpt import GPT, LMHead, NextTokenLoss, TokenEmbedding,
 from megascale.core.model.layers import PipelineLayers, pipeline_layers_of
 from megascale.core.model.linear import FanInLinear, FanOutLinear, Projection
 from megascale.core.model.mlp import MLP, MLPActivation
+from megascale.core.model.moe import GroupedExperts, MoE, take_balancing_losses
 from megascale.core.model.norm import LayerNorm, RMSNorm, make_norm
 from megascale.core.model.rope import RotaryEmbedding
 
@@ -16,9 +17,11 @@ __all__ = [
     "Attention",
     "FanInLinear",
     "FanOutLinear",
+    "GroupedExperts",
     "LMHead",
     "LayerNorm",
     "MLPActivation",
+    "MoE",
     "NextTokenLoss",
     "ParallelBlock",
     "PipelineLayers",
@@ -33,4 +36,5 @@ __all__ = [
     "make_block",
     "make_norm",
     "pipeline_layers_of",
+    "take_balancing_losses",
 ]

@@ -1,8 +1,7 @@
-"""Mixture of experts: a router sends each token to its top-k experts, whose MLPs run as grouped GEMMs.
+"""Mixture of experts: a router (``router.py``) sends each token to its top-k experts, whose MLPs run as
+grouped GEMMs.
 
-    scores = softmax(x Wᵣᵀ)  (or sigmoid)            one per expert
-    chosen = top-k of scores (+ a balancing bias)     the bias steers the choice only, never the weights
-    y      = Σ_{e ∈ chosen} wₑ · MLPₑ(x)  (+ shared MLP(x))
+    y = Σ_{e ∈ chosen} wₑ · MLPₑ(x)  (+ shared MLP(x))
 
 Dropless: every expert takes however many tokens chose it; the tokens are sorted by expert so that each
 expert's rows are consecutive and one grouped matmul (``kernels.grouped_mm``) computes every expert at once.
@@ -22,101 +21,30 @@ from __future__ import annotations
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from megascale.core import kernels
 from megascale.core._dtensor import local
-from megascale.core.config import GPTConfig, MoEConfig
+from megascale.core.config import GPTConfig
 from megascale.core.model.mlp import MLP
+from megascale.core.model.router import Router, Routing, in_backward
 
 __all__ = [
     "GroupedExperts",
     "MoE",
     "Router",
     "Routing",
+    "attach_balancing_losses",
     "expert_load",
     "moe_layers",
+    "take_balancing_losses",
     "update_expert_biases",
 ]
-
-
-@dataclass
-class Routing:
-    """Where each of N tokens goes: ``experts`` (N, k) and their ``weights`` (N, k); the router's fp32
-    ``scores`` (N, E) and ``logits`` (N, E), from which the balancing losses are computed."""
-
-    experts: torch.Tensor
-    weights: torch.Tensor
-    scores: torch.Tensor
-    logits: torch.Tensor
-
-
-def _in_backward() -> bool:
-    """True while autograd's engine runs this thread's code: a forward recomputed by activation checkpointing,
-    which must not count its tokens or leave losses a second time."""
-    task = getattr(torch._C, "_current_graph_task_id", None)
-    return task is not None and task() != -1
-
-
-class Router(nn.Module):
-    """Scores each token against every expert and picks its top-k (see the module docstring).
-
-    Buffers: ``expert_bias`` (only with ``bias_update_rate`` > 0; saved with the model, so a resumed run
-    chooses as the uninterrupted one) and ``tokens_per_expert``, the tokens each expert was sent by this rank's
-    training forwards since the last ``update_expert_biases`` (or ``expert_load(reset=True)``).
-    """
-
-    expert_bias: torch.Tensor | None
-
-    def __init__(self, config: GPTConfig) -> None:
-        super().__init__()
-        assert config.moe is not None
-        self.moe: MoEConfig = config.moe
-        self.weight = nn.Parameter(torch.empty(self.moe.num_experts, config.d_model))
-        bias = torch.zeros(self.moe.num_experts) if self.moe.bias_update_rate > 0 else None
-        self.register_buffer("expert_bias", bias)
-        self.register_buffer("tokens_per_expert", torch.zeros(self.moe.num_experts), persistent=False)
-
-    def forward(self, x: torch.Tensor) -> Routing:
-        """Route tokens ``x`` (N, d_model)."""
-        logits = F.linear(x, self.weight).float()
-        scores = logits.softmax(-1) if self.moe.score == "softmax" else logits.sigmoid()
-        choice = scores if self.expert_bias is None else scores + self.expert_bias
-        experts = choice.topk(self.moe.top_k, dim=-1).indices
-        weights = scores.gather(-1, experts)
-        if self.moe.normalize_top_k:
-            weights = weights / weights.sum(-1, keepdim=True)
-        if self.training and not _in_backward():
-            with torch.no_grad():
-                self.tokens_per_expert += torch.bincount(experts.flatten(), minlength=self.moe.num_experts)
-        return Routing(experts=experts, weights=weights.to(x.dtype), scores=scores, logits=logits)
-
-    def balancing_loss(self, routing: Routing, batch: int, seq: int) -> torch.Tensor | None:
-        """α·(mean over sequences of Σᵢ fᵢ·Pᵢ) + β·mean(logsumexp(logits)²), or None when both are off."""
-        moe, E, k = self.moe, self.moe.num_experts, self.moe.top_k
-        loss = None
-        if moe.aux_loss_coef > 0:
-            probs = (
-                routing.scores if moe.score == "softmax" else routing.scores / routing.scores.sum(-1, True)
-            )
-            chosen = F.one_hot(routing.experts, E).sum(1).float().view(batch, seq, E)  # (B, T, E) 0/1
-            f = chosen.sum(1) * (E / (k * seq))  # (B, E): 1 for every expert when perfectly balanced
-            p = probs.view(batch, seq, E).mean(1)  # (B, E)
-            loss = moe.aux_loss_coef * (f * p).sum(-1).mean()
-        if moe.z_loss_coef > 0:
-            z = moe.z_loss_coef * routing.logits.logsumexp(-1).square().mean()
-            loss = z if loss is None else loss + z
-        return loss
-
-    def extra_repr(self) -> str:
-        return f"experts={self.moe.num_experts}, top_k={self.moe.top_k}, score={self.moe.score}"
 
 
 class GroupedExperts(nn.Module):
@@ -235,7 +163,7 @@ class MoE(nn.Module):
             # computed again when activation checkpointing recomputes this forward (which must save the same
             # tensors as the first one), but left for the model only once
             loss = self.router.balancing_loss(routing, batch, seq)
-            if not _in_backward():
+            if not in_backward():
                 if self.pending_loss is not None and loss is not None:
                     raise RuntimeError(
                         "MoE: the balancing loss of the previous training forward was never added to a loss "
