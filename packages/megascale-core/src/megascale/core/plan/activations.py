@@ -40,23 +40,31 @@ log-sum-exp and the rotary tables at its positions (s/cp·hd·4 per layer); no m
 computes block by block).
 
 Mixture of experts (``GPTConfig.moe``, ``model/moe.py``) in the MLP's place, E experts of width F_e, top-k,
-E_r = E/ep of them on this rank; R_k = N·k the routed rows a rank computes: its own under ep = 1, and under
-ep > 1 on average the same number from its peers (uniform routing: every expert receives N·k/E rows of each
-rank; a skewed router gives the busiest rank more):
+E_r = E/ep of them on this rank. The router and the routed experts are whole on every tp and cp rank, and
+route whole sequences: N_m = b·s tokens (under sequence parallelism and under cp the layer all-gathers the
+sequences' shards and chunks first, and keeps its own part of the output; without SP every tp rank holds
+them all). R_k = N_m·k the routed rows a rank computes: its own under ep = 1, and under ep > 1 on average
+the same number from its peers (uniform routing: every expert receives N_m·k/E rows of each rank; a skewed
+router gives the busiest rank more):
 
-    norm output (matmul input)                   as above, read by the router and the shared experts (autocast
-                                                 casts it once per reader)
-    router: fp32 scores (softmax or sigmoid)     N·E·4;  with z-loss the fp32 logits and their lse, N·E·4 + N·4
-    chosen experts (int64); routing weights      N·k·8;  N·k·C (+ N·k·4 + N·4 normalised to sum to 1)
-    balancing loss (sequence-wise)               b·E·4 (sigmoid scores: + N·4, their sum)
+    norm output (matmul input)                   as above, read by the shared experts and, unless gathered,
+                                                 the router (autocast casts it once per reader; under tp the
+                                                 router's autocast copy beside the tp matmuls' one)
+    gathered input (SP or cp: the router's)      N_m·D·C
+    router: fp32 scores (softmax or sigmoid)     N_m·E·4;  with z-loss the fp32 logits and their lse, + N_m·4
+    chosen experts (int64); routing weights      N_m·k·8;  N_m·k·C (+ N_m·k·4 + N_m·4 normalised to sum to 1)
+    balancing loss (sequence-wise)               b·E·4 (sigmoid scores: + N_m·4, their sum)
     rows sorted by expert (the experts' input)   R_k·D·C, once per projection reading them under autocast
-    sort and un-sort indices (int64)             2·R_k·8;  under ep the received rows' regrouping: 2·R_k·8 more
+    sort and un-sort indices (int64)             2·R_k·8;  under ep the rows' parts (ep_comm_chunks of them)
+                                                 and the received rows' regrouping: 3·R_k·8 more (and the
+                                                 parts' reassembly, R_k·8, with more than one part)
     expert hidden states: as the MLP's           R_k·F_e·C each (gate, up, silu with the torch kernel, output)
     experts' outputs un-sorted (the combination) R_k·D·C
-    expert weights cast by autocast              (2 or 3)·E_r·D·F_e·C per microbatch: the stacks are sliced
+    expert weights cast by autocast              (2 or 3)·E_r·D·F_e·C per microbatch (and per part under ep:
+                                                 the experts run once per part): the stacks are sliced
                                                  (or transposed) before the matmul, so autocast's cache of
                                                  parameter casts misses them; none in fp32 or under ZeRO-2/3
-    shared experts                               an MLP of width shared·F_e on N tokens
+    shared experts                               an MLP of width shared·F_e on N tokens, split over tp
 
 Under "full" checkpointing the MoE is recomputed with its block; "selective" recomputes attention only.
 """
@@ -188,20 +196,29 @@ class ActivationModel:
         n, c, hd = self.tokens, self.compute_bytes, cfg.head_dim
         return {f"{prefix}.qkv_inputs": n * (heads + 2 * kv) * hd * c, f"{prefix}.out": n * heads * hd * c}
 
-    def _matmul_input(self, name: str, readers: int) -> Terms:
-        """A norm's output as the matmul inputs save it: cast to the compute dtype once by tensor-parallel
-        matmuls (one gather serves every projection), but once per projection by autocast (it caches only the
-        casts of parameters)."""
-        copies = readers if self.layout.plan.tp == 1 and self.compute_bytes != self.residual_bytes else 1
+    def _matmul_input(self, name: str, readers: int, modules: int = 1, plain: int = 0) -> Terms:
+        """A norm's output as the matmul inputs save it: cast to the compute dtype once per tensor-parallel
+        module (``modules`` of them: one gather serves all its projections), but once per projection
+        (``readers``) by autocast (it caches only the casts of parameters). ``plain``: readers that stay plain
+        matmuls under tp (a MoE's router), each with its autocast copy. Without a cast (the residual's dtype)
+        every reader saves the norm output itself: one storage."""
+        copies = readers + plain if self.layout.plan.tp == 1 else modules + plain
+        if self.compute_bytes == self.residual_bytes:
+            copies = min(copies, 1)
+        if copies == 0:
+            return {}
         return {
             f"{name}.matmul_input": copies * self.stream_tokens * self.config.d_model * self.compute_bytes
         }
 
-    def _mlp(self, prefix: str, rows: float | None = None, width: float | None = None) -> Terms:
-        """A dense MLP on this rank's tokens (or ``rows`` of them, ``width`` wide: experts)."""
+    def _mlp(
+        self, prefix: str, rows: float | None = None, width: float | None = None, experts: bool = False
+    ) -> Terms:
+        """A dense MLP on this rank's tokens, ``width`` wide (default: the MLP's), split over tp; or the
+        routed ``experts`` (whole, no biases) on ``rows``."""
         cfg, t, c = self.config, self.layout.plan.tp, self.compute_bytes
         n = self.tokens if rows is None else rows
-        f = cfg.ffn_dim / t if width is None else width
+        f = (cfg.ffn_dim if width is None else width) / (1 if experts else t)
         k = self.workload.kernels
         out: Terms = {}
         if cfg.activation == "swiglu":
@@ -209,36 +226,53 @@ class ActivationModel:
             if k.activation == "torch":
                 out[f"{prefix}.silu"] = n * f * c
         else:  # the GeLU's input; x + bias in fp32 when the reference adds an fp32 bias to bf16
-            promoted = k.activation == "torch" and cfg.bias and c < 4 and width is None
+            promoted = k.activation == "torch" and cfg.bias and c < 4 and not experts
             out[f"{prefix}.gelu_input"] = n * f * (4 if promoted else c)
         out[f"{prefix}.act_out"] = n * f * c
         return out
 
     @property
+    def moe_tokens(self) -> int:
+        """N_m: tokens a MoE layer routes per microbatch on this rank: whole sequences, b·s (every tp and cp
+        rank routes them all alike)."""
+        return self.layout.micro_batch_size * self.workload.seq_len
+
+    @property
+    def moe_gathers(self) -> bool:
+        """The MoE layer all-gathers its input (sequence parallelism, context parallelism)."""
+        p = self.layout.plan
+        return p.cp > 1 or (p.tp > 1 and p.sequence_parallel)
+
+    @property
     def routed_rows(self) -> float:
-        """R_k: rows the experts of this rank compute per microbatch, N·top_k (uniform routing under ep)."""
+        """R_k: rows the experts of this rank compute per microbatch, N_m·top_k (uniform routing under ep)."""
         moe = self.config.moe
-        return float(self.tokens * moe.top_k) if moe is not None else 0.0
+        return float(self.moe_tokens * moe.top_k) if moe is not None else 0.0
 
     def _expert_weights_cast(self) -> bool:
         """Autocast casts the expert stacks at every forward (mixed precision with fp32 parameters)."""
         plan = self.layout.plan
         return self.compute_bytes != 4 and not (plan.zero_stage >= 2 and self.layout.replicas > 1)
 
-    def _moe_readers(self) -> int:
-        """Matmuls reading the norm output in the MoE: the router and the shared experts' projections."""
+    def _moe_readers(self) -> tuple[int, int, int]:
+        """Matmuls reading the norm output in the MoE: the shared experts' projections and their module (split
+        over tp), and the router (a plain matmul under autocast), unless it reads the gathered input instead."""
         moe = self.config.moe
         assert moe is not None
-        return 1 + ((2 if self.config.activation == "swiglu" else 1) if moe.shared_experts else 0)
+        shared = (2 if self.config.activation == "swiglu" else 1) if moe.shared_experts else 0
+        return shared, 1 if shared else 0, 0 if self.moe_gathers else 1
 
     def _moe(self, prefix: str) -> Terms:
         """A mixture-of-experts layer's saved bytes (module docstring), its input excluded."""
-        cfg, c, n, b = self.config, self.compute_bytes, self.tokens, self.layout.micro_batch_size
+        cfg, c, n, b = self.config, self.compute_bytes, self.moe_tokens, self.layout.micro_batch_size
         moe = cfg.moe
         assert moe is not None
         e, k, rows, d = moe.num_experts, moe.top_k, self.routed_rows, cfg.d_model
         mlp_in = 2 if cfg.activation == "swiglu" else 1
-        out: Terms = {f"{prefix}.router_scores": n * e * 4.0}
+        out: Terms = {}
+        if self.moe_gathers:  # the router's input: the gathered sequences (autocast's cast of them)
+            out[f"{prefix}.gathered_input"] = n * d * float(c)
+        out[f"{prefix}.router_scores"] = n * e * 4.0
         if moe.z_loss_coef > 0:
             out[f"{prefix}.router_logits"] = n * e * 4.0 + n * 4.0
         if moe.aux_loss_coef > 0:
@@ -247,11 +281,14 @@ class ActivationModel:
         out[f"{prefix}.weights"] = n * k * c + ((n * k * 4.0 + n * 4.0) if moe.normalize_top_k else 0.0)
         copies = mlp_in if c != self.residual_bytes else 1
         out[f"{prefix}.rows"] = copies * rows * d * c
-        out[f"{prefix}.indices"] = 2 * rows * 8.0 * (2 if self.layout.plan.ep > 1 else 1)
-        out.update(self._mlp(f"{prefix}.experts", rows=rows, width=cfg.expert_dim))
+        plan = self.layout.plan
+        dispatch = (3 + (1 if plan.ep_comm_chunks > 1 else 0)) if plan.ep > 1 else 0  # ``parallel/ep``
+        out[f"{prefix}.indices"] = (2 + dispatch) * rows * 8.0
+        out.update(self._mlp(f"{prefix}.experts", rows=rows, width=cfg.expert_dim, experts=True))
         out[f"{prefix}.outputs"] = rows * d * c
         if self._expert_weights_cast():
-            out[f"{prefix}.expert_weight_casts"] = expert_parameters(cfg, self.layout.plan.ep) * float(c)
+            parts = plan.ep_comm_chunks if plan.ep > 1 else 1  # the experts run once per part
+            out[f"{prefix}.expert_weight_casts"] = parts * expert_parameters(cfg, plan.ep) * float(c)
         if moe.shared_experts:
             out.update(self._mlp(f"{prefix}.shared", width=moe.shared_experts * cfg.expert_dim))
         return out
@@ -277,13 +314,15 @@ class ActivationModel:
             self._attention("attn", layer) if checkpoint_attention else self._attention_core("attn", layer)
         )
         out: Terms = {}
-        mlp_in = 2 if cfg.activation == "swiglu" else 1
+        # the MLP's projections (of one module with q, k, v in the parallel block), or the MoE's (its shared
+        # experts' module, and the router unless it reads the gathered input)
+        mlp_in, modules, plain = 2 if cfg.activation == "swiglu" else 1, 1, 0
         moe = cfg.moe is not None
         if moe:
-            mlp_in = self._moe_readers()
+            mlp_in, modules, plain = self._moe_readers()
         if cfg.parallel_block:
             out.update(self._norm(nr, d, r, "norm"))
-            out.update(self._matmul_input("norm", 3 + mlp_in))  # q, k, v, gate/up (MoE: router, shared)
+            out.update(self._matmul_input("norm", 3 + mlp_in, 1 + modules * moe, plain))
             out.update(attention)
             out.update(self._moe("moe") if moe else self._mlp("mlp"))
             out.update(self._dropout("out"))
@@ -293,7 +332,7 @@ class ActivationModel:
         out.update(attention)
         out.update(self._dropout("attn"))
         out.update(self._norm(nr, d, r, "mlp_norm"))  # its input: the residual after attention
-        out.update(self._matmul_input("mlp_norm", mlp_in))
+        out.update(self._matmul_input("mlp_norm", mlp_in, modules, plain))
         out.update(self._moe("moe") if moe else self._mlp("mlp"))
         out.update(self._dropout("mlp"))
         return out
@@ -334,9 +373,10 @@ class ActivationModel:
 
     def weight_copies(self, stages: list[Stage]) -> float:
         """Compute-dtype copies of the matmul weights that autocast makes (and autograd saves) once per step:
-        none under tensor parallelism (its matmuls cast inside, keeping nothing), in fp32, or under ZeRO-2/3
-        (parameters are gathered in the compute dtype). Under "full" checkpointing the blocks' copies are not
-        saved (``cached_weight_copies``): only the head's."""
+        none under tensor parallelism (its matmuls cast inside, keeping nothing; but a MoE's routers, plain
+        matmuls on every tp rank), in fp32, or under ZeRO-2/3 (parameters are gathered in the compute dtype).
+        Under "full" checkpointing the blocks' copies are not saved (``cached_weight_copies``): only the
+        head's."""
         if self.layout.plan.activation_checkpointing == "full":
             return self._weight_copies(stages, blocks=False)
         return self._weight_copies(stages)
@@ -349,10 +389,12 @@ class ActivationModel:
         return self._weight_copies(stages) - self._weight_copies(stages, blocks=False)
 
     def _weight_copies(self, stages: list[Stage], blocks: bool = True) -> float:
-        plan, c = self.layout.plan, self.compute_bytes
-        if plan.tp > 1 or c == 4 or (plan.zero_stage >= 2 and self.layout.replicas > 1):
+        plan, c, cfg = self.layout.plan, self.compute_bytes, self.config
+        if c == 4 or (plan.zero_stage >= 2 and self.layout.replicas > 1):
             return 0.0
-        cfg = self.config
+        if plan.tp > 1:
+            router = cfg.d_model * cfg.moe.num_experts if cfg.moe is not None and blocks else 0
+            return float(sum(len(s.blocks) for s in stages) * router * c)
         norms = (
             (2 if cfg.norm == "layernorm" and cfg.bias else 1)
             * cfg.d_model

@@ -216,11 +216,7 @@ def no_fit_advice(smallest: Candidate, usable: float) -> str:
                 "(--activation-checkpointing full) or use more GPUs for tp/pp")  # fmt: skip
     fixes = []
     top_zero = 3 if plan.pp == 1 else 2
-    if plan.ep > 1:
-        fixes.append(
-            f"--ep 1 with --zero-stage {top_zero} (expert parallelism runs beside ZeRO-0 only so far)"
-        )
-    elif dp > 1 and plan.zero_stage < top_zero:
+    if dp > 1 and plan.zero_stage < top_zero:
         fixes.append(
             f"a higher ZeRO stage (--zero-stage {top_zero} shards them over the {dp} data-parallel ranks)"
         )

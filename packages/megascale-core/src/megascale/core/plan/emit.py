@@ -98,6 +98,8 @@ def lightning_config(candidate: Candidate, config: GPTConfig, seq_len: int, clus
         init_args["cp"] = plan.cp
     if plan.ep > 1:
         init_args["ep"] = plan.ep
+        if plan.zero_stage == 1:
+            init_args["zero1_sharding"] = plan.zero1_sharding
     if plan.pp > 1:
         init_args.update(num_microbatches=plan.microbatches, schedule=plan.schedule)
         if plan.virtual_stages > 1:

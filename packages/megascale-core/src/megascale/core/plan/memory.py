@@ -12,8 +12,9 @@ ranks hold the same parameters and ZeRO shards over dp × cp) and k the optimize
 
 (Rajbhandari et al. 2020, ZeRO, §5 with fp32 gradients.) A mixture of experts' routed experts count in P at E/ep
 of them under expert parallelism (``parallel/ep``: split over ep, replicated over the edp = dp/ep ranks, which
-average their gradients in buckets of their own beside the dense parameters' reducer; only ZeRO-0 with ep > 1);
-with ep = 1 they are parameters like the others, sharded by every ZeRO stage. ZeRO-2 keeps every gathered parameter from forward
+average their gradients beside the dense parameters' and, at ZeRO ≥ 1, shard over those edp ranks: ZeRO-1 by
+parameters, ZeRO-2/3 as FSDP2 units of their own); with ep = 1 they are parameters like the others, sharded by
+every ZeRO stage over dp. ZeRO-2 keeps every gathered parameter from forward
 to backward (P in the compute dtype), ZeRO-3 about two units at a time (the one computing and the prefetched).
 Saved activations: ``ActivationModel`` per microbatch and stage, and ``schedule.peak_in_flight`` for the
 microbatches a rank holds at once. Buffers: the gradient-reduction buckets (``grad_reduce.IN_FLIGHT`` in flight
@@ -146,7 +147,9 @@ def rank_memory(
     zero = plan.zero_stage if dp > 1 else 0
     c = workload.compute_bytes
     k = OPTIMIZER_STATES[workload.optimizer]
-    sharded = math.ceil(p / dp)
+    # dense parameters shard over the replicas (dp × cp), the experts under ep over edp = dp / ep
+    edp = max(layout.dp // plan.ep, 1)
+    sharded = math.ceil((p - experts) / dp) + math.ceil(experts / edp)
     parameters = 4.0 * (sharded if zero >= 2 else p)
     gradients = 4.0 * (sharded if zero >= 2 else p)
     optimizer_state = 4.0 * k * (p if zero == 0 else sharded)
@@ -229,10 +232,10 @@ def _workspace(acts: ActivationModel, stages: list[Stage]) -> float:
     cfg, plan, c = acts.config, acts.layout.plan, acts.workload.compute_bytes
     n = acts.tokens
     widest = n * max(cfg.ffn_dim / plan.tp, cfg.d_model)
-    if cfg.moe is not None:  # the experts' hidden states over the routed rows, the shared experts'
-        widest = max(
-            n * cfg.d_model, acts.routed_rows * cfg.expert_dim, n * cfg.moe.shared_experts * cfg.expert_dim
-        )
+    if cfg.moe is not None:  # the gathered sequences, the experts' hidden states over the routed rows, the
+        # shared experts' (split over tp)
+        shared = n * cfg.moe.shared_experts * cfg.expert_dim / plan.tp
+        widest = max(acts.moe_tokens * cfg.d_model, acts.routed_rows * cfg.expert_dim, shared)
     block = 2 * widest * c  # an activation and its gradient
     if plan.activation_checkpointing == "full":
         block += acts.block_without_checkpointing_bytes

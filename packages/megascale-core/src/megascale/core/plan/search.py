@@ -8,7 +8,7 @@ divisors of each replica's share; pipeline schedules 1F1B and interleaved (2 to 
 blocks evenly), GPipe only when asked for; ZeRO 0-3 (0 with dp = 1; 3 not with pp > 1); sequence
 parallelism on or off with tp > 1; activation checkpointing none, selective or full; for a mixture of experts,
 ep among the divisors of dp that split the experts evenly (what ``check_expert_parallel`` refuses is skipped:
-tp or cp with MoE, ep > 1 beside ZeRO > 0, pp with balancing losses). The overlap switches
+ZeRO-1 by elements beside ep > 1, where it shards by parameters instead). The overlap switches
 stay at the strategy's defaults (on). Any part can be fixed (``Fixed``); the rest is enumerated.
 
 Ranking: layouts whose predicted memory fits (``ClusterSpec.usable_memory``) by predicted step time, then by
@@ -180,6 +180,8 @@ def _plans(
                     try:
                         plan = ParallelPlan(
                             tp=tp, pp=pp, cp=cp, ep=ep, zero_stage=zero, schedule=schedule,  # type: ignore[arg-type]
+                            # ZeRO-1 beside expert parallelism shards by parameters (check_expert_parallel)
+                            zero1_sharding="parameters" if ep > 1 and zero == 1 else "elements",
                             virtual_stages=v, num_microbatches=m if pp > 1 else None, sequence_parallel=sp,
                             activation_checkpointing=ac,  # type: ignore[arg-type]
                         )  # fmt: skip
@@ -216,8 +218,6 @@ def _why_none(workload: Workload, cluster: ClusterSpec, fx: Fixed) -> str:
                          num_microbatches=fx.num_microbatches).check_gpt_config(workload.model)  # fmt: skip
         except ValueError as e:
             return f"--ep {fx.ep}: {e}"
-        if fx.zero_stage:
-            return f"--ep {fx.ep} needs --zero-stage 0: expert parallelism runs beside ZeRO-0 only so far"
         if fx.dp and fx.dp % fx.ep:
             return f"--ep {fx.ep} must divide dp={fx.dp}: the expert-parallel ranks are data-parallel ranks"
     if fx.pp and fx.pp > layers:

@@ -7,8 +7,9 @@ output projection split the padded vocabulary. Pipeline stages follow ``split_bl
 r, r + pp, ...; the first stage also holds the embedding, the last the head).
 
 A mixture of experts (``GPTConfig.moe``, ``model/moe.py``) replaces the MLP by a router (E × D, no bias), the
-routed experts' stacked gate/up/down (E × F_e × D each, no bias) and the shared experts' MLP; under expert
-parallelism (``ep``) a rank holds E/ep of the routed experts (``parallel/ep``), everything else whole.
+routed experts' stacked gate/up/down (E × F_e × D each, no bias) and the shared experts' MLP. The router and
+the routed experts are whole on every tp rank (each routes whole sequences), the shared experts are split over
+tp like an MLP; under expert parallelism (``ep``) a rank holds E/ep of the routed experts (``parallel/ep``).
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ def _mlp(config: GPTConfig, width: int) -> tuple[int, int]:
 
 def block_parameters(config: GPTConfig, tp: int, ep: int = 1) -> int:
     """One block's parameters on one tp rank (split projections / tp, replicated norms and output bias); with a
-    mixture of experts, the router, E/``ep`` routed experts and the shared experts' MLP in the MLP's place."""
+    mixture of experts, the router and E/``ep`` routed experts (whole on every tp rank) and the shared experts'
+    MLP (split over tp) in the MLP's place."""
     d = config.d_model
     q, kv = config.n_heads * config.head_dim, config.kv_heads * config.head_dim
     split = d * (q + 2 * kv) + q * d  # q, k, v, o weights
@@ -83,8 +85,11 @@ def block_parameters(config: GPTConfig, tp: int, ep: int = 1) -> int:
         return split // tp + replicated
     moe = config.moe
     routed = d * moe.num_experts + expert_parameters(config, ep)
-    shared = sum(_mlp(config, moe.shared_experts * config.expert_dim)) if moe.shared_experts else 0
-    return split // tp + replicated + routed + shared
+    if moe.shared_experts:
+        shared, shared_bias = _mlp(config, moe.shared_experts * config.expert_dim)
+        split += shared
+        replicated += shared_bias
+    return split // tp + replicated + routed
 
 
 @dataclass(frozen=True)

@@ -25,12 +25,17 @@ Per microbatch and block on one GPU (N = b·s tokens, t = tp; Narayanan et al. 2
   layer sends and receives the halo's tails point to point (at most 2·(w − 1) tokens, both ways). The
   gradients are reduced, and ZeRO shards, over dp × cp ranks.
 - Mixture of experts (``GPTConfig.moe``): the GEMMs of the active parameters (router, top-k routed experts
-  of width F_e on each token, shared experts), the experts' activation over the N·k routed rows and the
-  dispatch's row copies (gather, un-sort, weighted combination). Expert parallelism (ep > 1, ``parallel/ep``):
+  of width F_e on each token, shared experts), the experts' activation over the N_m·k routed rows and the
+  dispatch's row copies (gather, un-sort, weighted combination). The router and the routed experts run whole
+  sequences (N_m = b·s tokens) on every tp and cp rank alike: their FLOPs and bytes divide by neither; the
+  shared experts split over tp like an MLP. Under sequence parallelism the layer all-gathers its input over tp
+  forward and its output's gradient backward (one N·D unit each, not overlapped), under cp likewise over the
+  cp ranks (b·s·D elements each: ``cp_comm``). Expert parallelism (ep > 1, ``parallel/ep``):
   per MoE layer and microbatch, forward an all-to-all of the routing counts and two of the routed rows (out to
-  the experts' ranks and back), backward two of their gradients, each N·k·D elements of the compute dtype per
-  rank of which (ep - 1)/ep leave it; under uniform routing (every rank computes N·k rows on average; a skewed
-  router makes the busiest rank wait longer). Not overlapped with compute yet: all exposed (``ep_comm``), and
+  the experts' ranks and back), backward two of their gradients, each N_m·k·D elements of the compute dtype
+  per rank of which (ep - 1)/ep leave it (every tp and cp rank of a replica sends the same rows in its own ep
+  group); under uniform routing (every rank computes N_m·k rows on average; a skewed router makes the busiest
+  rank wait longer). Not overlapped with compute yet: all exposed (``ep_comm``), and
   repeated by full recomputation. The ep ranks are consecutive data-parallel ranks (tp·pp·cp apart); the
   experts' gradients are all-reduced over the edp = dp/ep ranks holding the same experts, beside the dense
   ones' reduction over dp.
@@ -172,6 +177,14 @@ class TPCalls:
         return self.gathers_fwd + self.reduces_fwd + self.gathers_bwd + self.reduces_bwd
 
 
+def _tp_pairs(config: GPTConfig) -> int:
+    """Column/row-parallel pairs per block: the attention's and the MLP's (one in the parallel block); with a
+    mixture of experts the attention's and the shared experts' (the router and routed experts are not split)."""
+    if config.moe is not None:
+        return 1 + (1 if config.moe.shared_experts else 0)
+    return 1 if config.parallel_block else 2
+
+
 def tp_collective_calls(config: GPTConfig, plan: ParallelPlan) -> dict[str, TPCalls]:
     """The calls of one block, the embedding and the head on a tp rank, as ``parallel.overlap``,
     ``parallel.tensor_parallel`` and ``parallel.cross_entropy`` issue them (no recomputation; module docstring).
@@ -179,17 +192,19 @@ def tp_collective_calls(config: GPTConfig, plan: ParallelPlan) -> dict[str, TPCa
     if plan.tp <= 1:
         return {}
     c = plan.tp_comm_chunks if plan.overlap_tp_comm else 1
-    pairs = 1 if config.parallel_block else 2  # column/row-parallel pairs per block
+    pairs = _tp_pairs(config)  # column/row-parallel pairs per block
     norm_tensors = 2 if config.norm == "layernorm" and config.bias else 1
     # q/k norms see this rank's heads only: their gradients are summed with or without SP
     qk = 2 * norm_tensors if config.qk_norm else 0
+    # a MoE under SP all-gathers its input forward and its output's gradient backward, one call each
+    moe = 1 if config.moe is not None and plan.sequence_parallel else 0
     if plan.sequence_parallel:
         # replicated weights applied to sequence shards: each sums its gradient over tp
         norms = (1 if config.parallel_block else 2) * norm_tensors + (pairs if config.bias else 0)
         return {
             # column: c all-gathers; backward re-gathers the input once and reduce-scatters c pieces;
             # row: c reduce-scatters; backward all-gathers c pieces of the output gradient
-            "block": TPCalls(2 * c * pairs, 0, (1 + 2 * c) * pairs, norms + qk),
+            "block": TPCalls(2 * c * pairs + moe, 0, (1 + 2 * c) * pairs + moe, norms + qk),
             "embedding": TPCalls(1, 0, 1, 0),  # reduce-scatter the partial rows; all-gather their gradient
             "head": TPCalls(c, 2, 1 + c, norm_tensors),  # the projection, the loss's max and sums; final norm
         }
@@ -226,6 +241,15 @@ class _Model:
         d, f = cfg.d_model, cfg.ffn_dim / t
         heads, kv, hd = cfg.n_heads / t, cfg.kv_heads / t, cfg.head_dim
         gemm = 2 * n * block_matmul_parameters(cfg) / t
+        dispatch = 0.0
+        if cfg.moe is not None:  # the router and top-k routed experts whole, on whole sequences
+            moe, nm = cfg.moe, self.b * self.s
+            projections = 3 if cfg.activation == "swiglu" else 2
+            routed = projections * d * cfg.expert_dim * moe.top_k + d * moe.num_experts
+            gemm += 2 * routed * (nm - n / t)
+            rows = nm * moe.top_k
+            # rows gathered (read, write), outputs un-sorted (read, write), combined (read); fp32 scores
+            dispatch = 5 * rows * d * c + 3 * nm * moe.num_experts * 4
         keys = _keys(cfg, layer, self.s, full_square=k.attention != "flash")
         attention = 4 * n * keys * heads * hd
         norms, adds = (1, 1) if cfg.parallel_block else (2, 2)
@@ -233,17 +257,15 @@ class _Model:
         norm = nr * d * (2 * r + (r + c if c != r else 0)) * (1 if fused else 3)
         mask = 1 if cfg.dropout > 0 else 0
         add = nr * d * (2 * r + c + mask)
-        dispatch = 0.0
-        if cfg.moe is not None:  # the experts' hidden states over the routed rows, the shared experts'
-            moe = cfg.moe
-            f = moe.top_k * cfg.expert_dim + moe.shared_experts * cfg.expert_dim  # per token
-            rows = n * moe.top_k
-            # rows gathered (read, write), outputs un-sorted (read, write), combined (read); fp32 scores
-            dispatch = 5 * rows * d * c + 3 * n * moe.num_experts * 4
+        # the MLP's hidden elements; with a MoE the experts' over the routed rows and the shared experts'
+        hidden = n * f
+        if cfg.moe is not None:
+            routed_rows, shared = self.b * self.s * cfg.moe.top_k, cfg.moe.shared_experts
+            hidden = (routed_rows + n * shared / t) * cfg.expert_dim
         if cfg.activation == "swiglu":
-            act = n * f * c * (3 if k.activation == "fused" else 5)
+            act = hidden * c * (3 if k.activation == "fused" else 5)
         else:
-            act = n * f * c * (2 if k.activation == "fused" else 4)
+            act = hidden * c * (2 if k.activation == "fused" else 4)
         act += dispatch
         rope = 2 * n * (heads + kv) * hd * c * (1 if k.norm == "fused" else 4)
         scores = self.b * heads * self.s * self.s / self.plan.cp
@@ -272,7 +294,7 @@ class _Model:
 
     def tp_units_per_block(self) -> tuple[float, float]:
         """Tensor-parallel traffic per block, forward and backward, in all-gathers of one N·D activation."""
-        pairs = 1 if self.cfg.parallel_block else 2
+        pairs = _tp_pairs(self.cfg)
         if self.plan.sequence_parallel:
             return 2.0 * pairs, 3.0 * pairs  # AG + RS; RS + AG + the input's re-gather
         return 2.0 * pairs, 2.0 * pairs  # an all-reduce (two units) each way
@@ -312,8 +334,30 @@ class _Model:
         if ep == 1 or moe is None:
             return 0.0, 0.0
         group = Group.of(ep, self.t * self.plan.pp * self.plan.cp, self.c.gpus_per_node)
-        rows = all_to_all_time(self.n * moe.top_k * self.cfg.d_model * self.cb, group, self.c)
+        # whole sequences' rows: every tp and cp rank of a replica sends the same ones in its own ep group
+        rows = all_to_all_time(self.b * self.s * moe.top_k * self.cfg.d_model * self.cb, group, self.c)
         return all_to_all_time(0.0, group, self.c) + 2 * rows, 2 * rows
+
+    def moe_gather_time(self) -> tuple[tuple[float, float], tuple[float, float]]:
+        """Seconds of one MoE block's all-gathers of one microbatch, ((tp forward, backward), (cp forward,
+        backward)): its input (the residual's dtype) forward and its output's gradient (the compute dtype)
+        backward, over tp under sequence parallelism (N·D elements gathered), then over cp (b·s·D); the tp
+        calls' latency is in ``tp_latency``."""
+        if self.cfg.moe is None:
+            return (0.0, 0.0), (0.0, 0.0)
+        d, tp, cp = self.cfg.d_model, (0.0, 0.0), (0.0, 0.0)
+        if self.t > 1 and self.plan.sequence_parallel:
+            group = Group.of(self.t, 1, self.c.gpus_per_node)
+            n = self.n * d
+            tp = (
+                gather_time(n * self.rb, group, self.c, calls=0),
+                gather_time(n * self.cb, group, self.c, calls=0),
+            )
+        if self.plan.cp > 1:
+            group = Group.of(self.plan.cp, self.t, self.c.gpus_per_node)
+            n = self.b * self.s * d
+            cp = gather_time(n * self.rb, group, self.c), gather_time(n * self.cb, group, self.c)
+        return tp, cp
 
     def stage_time(self, stage: Stage) -> tuple[float, float, float, float, float, float]:
         """(forward, backward, recomputation, exposed TP communication, CP communication, EP communication)
@@ -329,6 +373,11 @@ class _Model:
         tp_total = cp_total = 0.0
         ep_f, ep_b = self.ep_time()  # full recomputation repeats the forward's
         ep_total = len(stage.blocks) * (ep_f * (2 if ac == "full" else 1) + ep_b)
+        # a MoE's gathers: repeated by full recomputation, not split into chunks to overlap
+        (moe_tp_f, moe_tp_b), (moe_cp_f, moe_cp_b) = self.moe_gather_time()
+        forwards = 2 if ac == "full" else 1
+        moe_tp = len(stage.blocks) * (moe_tp_f * forwards + moe_tp_b)
+        cp_total = len(stage.blocks) * (moe_cp_f * forwards + moe_cp_b)
         for layer in stage.blocks:
             cp_total += self.cp_time(layer) * (1.5 if ac == "full" or ac == "selective" else 1.0)
             window = self.cfg.window_for_layer(layer)  # blocks differ only by their attention window
@@ -354,7 +403,7 @@ class _Model:
                 bwd += 2 * tf
                 tp_total += 2 * unit_time + sum(calls.get(name, (0.0, 0.0)))
         hidden = self.plan.overlap_tp_comm and self.c.gpu.overlap
-        exposed_tp = tp_total / self.plan.tp_comm_chunks if hidden else tp_total
+        exposed_tp = (tp_total / self.plan.tp_comm_chunks if hidden else tp_total) + moe_tp
         return fwd, bwd, rec, exposed_tp, cp_total, ep_total
 
     def p2p_time(self) -> float:
@@ -416,7 +465,10 @@ def predict_step(workload: Workload, layout: Layout, cluster: ClusterSpec) -> St
         overlap = plan.overlap_grad_reduce and cluster.gpu.overlap
         dp_comm += max(reduce - bwd, reduce * bucket) if overlap else reduce
     k = OPTIMIZER_STATES[workload.optimizer]
-    stepped = params / layout.replicas if (plan.zero_stage >= 1 and layout.replicas > 1) else params
+    if plan.zero_stage >= 1 and layout.replicas > 1:  # dense over the replicas, experts over edp = dp / ep
+        stepped = (params - experts) / layout.replicas + experts / max(layout.dp // plan.ep, 1)
+    else:
+        stepped = params
     hbm = cluster.gpu.memory_bandwidth * cluster.gpu.memory_efficiency
     optimizer = stepped * (4 * (3 + 2 * k) + 4) / hbm  # read p, g, states; write p, states; the clip's read
     compute = m * (fwd + bwd + rec)
@@ -444,13 +496,17 @@ def _dp_calls(workload: Workload, layout: Layout, stages: list[Stage]) -> int:
         return sum(-(-len(s.blocks) // per_unit) + s.first + s.last for s in stages)
     d, t, el = cfg.d_model, plan.tp, workload.runtime.reduce_bytes
     q, kv, f = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.ffn_dim
-    block = [d * f, d * f] + ([d * f] if cfg.activation == "swiglu" else []) + [q * d, d * kv, d * kv, d * q]
+    # elements per tp rank: split over tp, but a MoE's router and routed experts are whole on every tp rank
+    block = [d * f / t, d * f / t] + ([d * f / t] if cfg.activation == "swiglu" else [])
+    block += [q * d / t, d * kv / t, d * kv / t, d * q / t]
     if cfg.moe is not None:  # shared experts, routed experts (with ep > 1 in a reducer of their own), router
         mlp = (3 if cfg.activation == "swiglu" else 2) * d
         experts = [] if plan.ep > 1 else [cfg.moe.num_experts * cfg.expert_dim * d] * (mlp // d)
-        shared = [cfg.moe.shared_experts * cfg.expert_dim * d] * (mlp // d) if cfg.moe.shared_experts else []
+        shared = (
+            [cfg.moe.shared_experts * cfg.expert_dim * d / t] * (mlp // d) if cfg.moe.shared_experts else []
+        )
         block = shared + experts + [cfg.moe.num_experts * d] + block[-4:]
-    vocab = cfg.padded_vocab_size * d
+    vocab = cfg.padded_vocab_size * d / t
     tensors: list[float] = []
     for s in reversed(stages):
         if s.last and not (cfg.tie_embeddings and s.first):
@@ -460,7 +516,7 @@ def _dp_calls(workload: Workload, layout: Layout, stages: list[Stage]) -> int:
             tensors.append(vocab)
     buckets, filled = 0, capacity + 1.0
     for n in tensors:
-        size = n / t * el
+        size = n * el
         if filled + size > capacity:
             buckets, filled = buckets + 1, 0.0
         filled += size
