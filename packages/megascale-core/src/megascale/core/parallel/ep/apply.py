@@ -1,4 +1,4 @@
-"""apply_expert_parallel: a megascale GPT whose MoE layers keep 1/ep of their experts on each "ep" rank.
+"""apply_expert_parallel: MoE layers (a megascale GPT's, or a model's own) keep 1/ep of their experts per rank.
 
 Each MoE layer's expert stacks (``GroupedExperts``: gate, up, down, experts first) become DTensors split over
 "ep" on their first dimension (Shard(0)), so initialisation, Hugging Face loading and checkpoints see whole
@@ -57,7 +57,7 @@ def check_expert_parallel(config: GPTConfig, plan: ParallelPlan) -> None:
         raise ValueError(
             f"ep={plan.ep} with zero_stage=1 needs zero1_sharding='parameters' (each parameter's optimizer state "
             "on one owner): with 'elements' the experts' gradient pieces, scattered over other ranks than the "
-            "dense ones', would be counted wrongly by the global gradient norm; or use zero_stage=0"
+            "dense ones', would be counted wrongly by the global gradient norm; or use zero_stage 0, 2 or 3"
         )
 
 
