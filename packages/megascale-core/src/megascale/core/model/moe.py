@@ -53,6 +53,10 @@ class GroupedExperts(nn.Module):
     expert e. Under expert parallelism the stacks are DTensors split over the "ep" ranks (first dimension);
     this rank computes its own experts with their local part."""
 
+    up: nn.Parameter
+    down: nn.Parameter
+    gate: nn.Parameter  # SwiGLU only
+
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         assert config.moe is not None
@@ -223,9 +227,8 @@ def _copy_whole_(param: torch.Tensor, whole: torch.Tensor) -> None:
         return
     from torch.distributed.tensor import distribute_tensor
 
-    shard = distribute_tensor(
-        whole.to(local(param).device), param.device_mesh, param.placements, src_data_rank=None
-    )  # type: ignore[attr-defined]
+    mesh, placements = param.device_mesh, param.placements  # type: ignore[attr-defined]
+    shard = distribute_tensor(whole.to(local(param).device), mesh, placements, src_data_rank=None)
     local(param).copy_(shard.to_local())
 
 

@@ -48,6 +48,7 @@ class Router(nn.Module):
     """
 
     expert_bias: torch.Tensor | None
+    tokens_per_expert: torch.Tensor
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()

@@ -372,10 +372,10 @@ class _LeanStage(PipelineStage):
     ) -> Any:
         from megascale.core.model.moe import routing_statistics_untouched
 
-        balancing = getattr(self.submod, "balancing_sum", 0.0)
+        balancing = self.submod.balancing_sum if isinstance(self.submod, StageModule) else 0.0
         with self.pipeline.random_streams_untouched(), routing_statistics_untouched(self.submod):
             out = super()._prepare_forward_infra(num_microbatches, args, kwargs, has_backward=has_backward)
-        if hasattr(self.submod, "balancing_sum"):
+        if isinstance(self.submod, StageModule):
             self.submod.balancing_sum = balancing
         self._pools = {}  # (re)built: torch has just allocated one buffer per microbatch again
         if has_backward and self.pool_receives and not self.is_first:

@@ -99,10 +99,10 @@ def apply_expert_parallel(
             )
     dispatchers = []
     for _, layer in named:
-        experts = layer.experts
-        for name, param in list(experts.named_parameters(recurse=False)):
+        stacks = layer.experts
+        for name, param in list(stacks.named_parameters(recurse=False)):
             dt = distribute_tensor(param.detach(), ep_mesh, [Shard(0)])
-            setattr(experts, name, nn.Parameter(dt, requires_grad=param.requires_grad))
+            setattr(stacks, name, nn.Parameter(dt, requires_grad=param.requires_grad))
         dispatcher = AllToAllDispatcher(ep_mesh.get_group(), layer.router.moe.num_experts, chunks)
         layer.dispatcher = dispatcher
         dispatchers.append(dispatcher)
