@@ -9,7 +9,8 @@ AdamW's bound there); observed 1e-6 and 1.8e-6. The final weights lie within 0.0
 AdamW steps of lr ≤ 1e-3): a run that ignored the checkpoint (a fresh init of the same seed on both sides,
 which would agree with each other) is 0.6 away. The tp2 × pp2 checkpoint then goes through
 ``megascale convert --to-hf``: transformers loads the export, and its logits equal those of megascale's GPT
-rebuilt on one process from the same checkpoint (1e-5; observed equal).
+rebuilt on one process from the same checkpoint (1e-5; observed equal). A tiny Mixtral continues under ep2
+(its experts split over the two ranks, each reading its own) as it does on one process, with the same bounds.
 """
 
 from __future__ import annotations
@@ -117,3 +118,25 @@ def test_a_given_config_must_build_the_checkpoints_network(llama):
         GPTModule()
     with pytest.raises(FileNotFoundError, match=r"no config\.json"):
         GPTModule(pretrained=str(llama.parent))
+
+
+def test_a_mixtral_checkpoint_continues_under_expert_parallelism_as_one_process_does(tmp_path):
+    """The tiny Mixtral (4 experts, top 2) of tests/core/hf loaded under ep2 (each rank reading its own
+    experts, ``parallelize`` after the split) trains three steps as one process does (Lightning's default
+    strategy, loaded by ``configure_model``): the first step's loss is the loaded weights'."""
+    path = tmp_path / "mixtral"
+    save_tiny("mixtral", False, path)
+    one = fit([_job("one process", path, None)], 1, tmp_path / "one")["one process"]
+    ep2 = _job("ep2", path, dict(ep=2, zero_stage=0))
+    ep2["data"]["batch_size"] = 4  # per rank: the same 8 sequences a step over the two data-parallel ranks
+    split = fit([ep2], 2, tmp_path / "two")["ep2"]
+    assert split["layout"]["ep"] == 2 and len(one["losses"]) == len(split["losses"]) == 3
+    for step, (got, want) in enumerate(zip(split["losses"], one["losses"])):
+        assert got == pytest.approx(want, abs=LOSS_TOL), f"step {step}: {got} vs {want}"
+    worst = max((split["weights"][k] - one["weights"][k]).abs().max().item() for k in one["weights"])
+    assert worst <= WEIGHT_TOL, worst
+    start = gpt_from_hf(path).state_dict()
+    moved = [
+        (split["weights"][f"model.{k}"] - v).abs().max().item() for k, v in start.items() if "rope" not in k
+    ]
+    assert 1e-4 < max(moved) <= 0.01, moved  # it continued from the checkpoint
