@@ -1,4 +1,4 @@
-"""Benchmark the planner against Megatron-LM 2021's weak-scaling table: predicted vs published TFLOP/s per GPU.
+"""Benchmark the planner against measured steps: Megatron-LM 2021's weak-scaling table (A100) and one H200.
 
 For every row of Narayanan et al. 2021 (arXiv 2104.04473), Table 1 (1.7B to 1T parameters on 32 to 3,072
 A100-80GB), at its published layout with the assumptions ``megascale.core.plan.published`` states (micro-batch
@@ -7,9 +7,12 @@ A100-80GB), at its published layout with the assumptions ``megascale.core.plan.p
 error, the predicted memory per GPU, and where the predicted step goes; then the least-squares fit of the one
 calibration constant (``matmul_efficiency``) over the table, against the shipped one; then, per row, the
 planner's own first choice for the same workload and cluster, its predicted speed-up over the published
-layout, and what it changes.
+layout (bounded by the A100's MFU cap, ``megascale.core.plan.rates``; the speed-up the model's parts alone
+would claim beside it), and what it changes. Last, the training steps measured on one H200
+(``megascale/core/plan/data/h200_2026_11_26.csv``): predicted vs measured seconds per step, the fit of the
+H200's matmul efficiency over them, and the kernel-rate table's sources.
 
-    python benchmarks/plan_megatron.py            # the whole table (about 20 s: the searches)
+    python benchmarks/plan_megatron.py            # everything (about 20 s: the searches)
     python benchmarks/plan_megatron.py --no-search
 """
 
@@ -18,8 +21,16 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
-from megascale.core.plan import A100_80GB, MATMUL_EFFICIENCY, predict_memory, predict_step, search
-from megascale.core.plan.published import fit_matmul_efficiency, megatron_2021_table
+from megascale.core.plan import A100_80GB, H200, MATMUL_EFFICIENCY, predict_memory, predict_step, search
+from megascale.core.plan.published import (
+    best_measured_mfu,
+    fit_matmul_efficiency,
+    h200_steps,
+    megatron_2021_table,
+)
+
+LIGHTNING_STEP_S = 0.2656
+"""The sequential 1.1B step on the H200 through Lightning's Trainer + MegaScaleStrategy(zero_stage=0)."""
 
 
 def _changes(published, best) -> str:  # type: ignore[no-untyped-def]
@@ -72,17 +83,53 @@ def main() -> None:
     print(
         f"  at the fit: worst {max(refit, key=abs):+.1%}, mean |error| {sum(abs(e) for e in refit) / len(refit):.1%}"
     )
-    if args.no_search:
-        return
-    print("\nthe planner's first choice (same model, kernels, runtime, cluster and global batch):")
+    if not args.no_search:
+        _first_choices(rows)
+    _h200()
+
+
+def _first_choices(rows) -> None:  # type: ignore[no-untyped-def]
+    print("\nthe planner's first choice (same model, kernels, runtime, cluster and global batch); MFU by the "
+          "planner's count (causal attention halved), capped per size by Megatron-LM's published A100 MFU:")  # fmt: skip
+    print(f"{'model':>8} {'first choice':<52} {'speed-up':>8} {'uncapped':>8} {'MFU':>6} {'cap':>6} "
+          f"{'published MFU':>13} | memory, what changes")  # fmt: skip
     for r in rows:
         workload, layout, cluster = r.workload(), r.layout(), r.cluster()
-        published = predict_step(workload, layout, cluster).step_time
+        published = predict_step(workload, layout, cluster)
         (best,) = search(workload, cluster, top=1)
-        print(
-            f"{r.params_billion:>7g}B {best.layout.describe():<50} {published / best.step.step_time:5.2f}x "
-            f"faster ({best.memory.total / 1e9:.0f} GB, limited by {best.step.limiter}): {_changes(layout, best)}"
+        uncapped = best.step.uncapped_step_time or best.step.step_time
+        measured_mfu = (
+            published.model_flops * r.tflops_per_gpu * 1e12 / r.paper_flops() / A100_80GB.peak_flops
         )
+        print(
+            f"{r.params_billion:>7g}B {best.layout.describe():<52} {published.step_time / best.step.step_time:7.2f}x "
+            f"{published.step_time / uncapped:7.2f}x {best.step.mfu:6.1%} {best.step.mfu_cap or 0:6.1%} "
+            f"{measured_mfu:13.1%} | {best.memory.total / 1e9:.0f} GB: {_changes(layout, best)}"
+        )  # fmt: skip
+
+
+def _h200() -> None:
+    steps = h200_steps()
+    rates = H200.kernel_rates
+    print(f"\nH200 (one GPU, tp1 pp1 dp1 ZeRO-0, no recomputation): kernel rates '{rates.name}', matmul_efficiency "
+          f"{rates.matmul_efficiency}, MFU cap {rates.mfu_cap:.1%}")  # fmt: skip
+    print(f"{'step':<40} {'measured':>9} {'predicted':>9} {'error':>7} | {'memory':>7} {'predicted':>9} | "
+          "step parts (s)")  # fmt: skip
+    for s in steps:
+        est = predict_step(s.workload(), s.layout(), s.cluster())
+        memory = predict_memory(s.workload(), s.layout()).total / 1e9
+        print(f"{s.label:<40} {s.s_per_step:9.4f} {est.step_time:9.4f} {est.step_time / s.s_per_step - 1:+7.1%} | "
+              f"{s.peak_memory_gb:5.1f} GB {memory:6.1f} GB | compute {est.compute:.4f}, optimizer {est.optimizer:.4f}")  # fmt: skip
+    lightning = LIGHTNING_STEP_S
+    first = predict_step(steps[0].workload(), steps[0].layout(), steps[0].cluster()).step_time
+    print(
+        f"{'  the same 1.1B through Lightning':<40} {lightning:9.4f} {first:9.4f} {first / lightning - 1:+7.1%}"
+    )
+    fit = fit_matmul_efficiency(steps, H200)
+    print(f"least-squares fit of the H200 matmul_efficiency over these steps: {fit:.3f} (shipped "
+          f"{rates.matmul_efficiency}); best measured MFU {best_measured_mfu(steps):.1%} (the cap)")  # fmt: skip
+    for what, source in rates.sources:
+        print(f"  {what}: {source}")
 
 
 if __name__ == "__main__":

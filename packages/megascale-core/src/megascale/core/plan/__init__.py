@@ -5,8 +5,9 @@
     best = ranked[0]   # .layout (a ParallelPlan + dp + micro-batch), .memory (per GPU), .step (time, breakdown)
 
 Memory (``memory.py``, ``activations.py``) is checked tensor by tensor against CPU runs (``tests/core/plan``);
-throughput (``throughput.py``) against Megatron-LM 2021's published table (``published.py``,
-``benchmarks/plan_megatron.py``). ``megascale plan`` is the command line (``cli.py``). A Hugging Face config.json (Llama, Qwen2, Qwen3, Mistral)
+throughput (``throughput.py``, per-kernel rates per GPU kind in ``rates.py``) against Megatron-LM 2021's
+published A100 table and steps measured on one H200 (``published.py``, ``benchmarks/plan_megatron.py``), and
+bounded by the best MFU measured on each kind. ``megascale plan`` is the command line (``cli.py``). A Hugging Face config.json (Llama, Qwen2, Qwen3, Mistral)
 plans as the GPTConfig it converts to; a module of your own plans its memory from its parameters, its
 ``tensor_parallel_plan`` and one measured micro-batch (``module.py``: ``module_memory``).
 """
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
     from megascale.core.plan.module import RankMemoryOfModule as RankMemoryOfModule
     from megascale.core.plan.module import measure_activations as measure_activations
     from megascale.core.plan.module import module_memory as module_memory
+    from megascale.core.plan.rates import KernelRates as KernelRates
     from megascale.core.plan.search import Candidate as Candidate
     from megascale.core.plan.search import Fixed as Fixed
     from megascale.core.plan.search import enumerate_layouts as enumerate_layouts
@@ -57,6 +59,7 @@ _LAZY = {
     "GPUSpec": "megascale.core.plan.cluster",
     "H100_SXM": "megascale.core.plan.cluster",
     "H200": "megascale.core.plan.cluster",
+    "KernelRates": "megascale.core.plan.rates",
     "Kernels": "megascale.core.plan.layout",
     "Layout": "megascale.core.plan.layout",
     "MATMUL_EFFICIENCY": "megascale.core.plan.cluster",

@@ -51,6 +51,8 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--kv-heads", type=int)
     m.add_argument("--ffn-hidden", type=int)
     m.add_argument("--vocab", type=int)
+    m.add_argument("--parallel-block", action=argparse.BooleanOptionalAction, default=None,
+                   help="with the shape: parallel attention + MLP blocks (the default) or sequential ones")  # fmt: skip
     r = p.add_argument_group("run and cluster")
     r.add_argument("--gpus", type=int, help="GPUs (or, with --calibrate, CPU ranks) in all")
     r.add_argument("--gpu", default="h100",
@@ -105,8 +107,9 @@ def _model(ns: argparse.Namespace) -> GPTConfig | None:
         return None
     if any(v is None for v in shape):
         raise UserError("the shape needs all of --hidden, --layers, --heads and --vocab")
+    block = {} if ns.parallel_block is None else {"parallel_block": ns.parallel_block}
     return GPTConfig(vocab_size=ns.vocab, d_model=ns.hidden, n_layers=ns.layers, n_heads=ns.heads,
-                     n_kv_heads=ns.kv_heads, ffn_hidden=ns.ffn_hidden, max_seq_len=ns.seq_len or 2048)  # fmt: skip
+                     n_kv_heads=ns.kv_heads, ffn_hidden=ns.ffn_hidden, max_seq_len=ns.seq_len or 2048, **block)  # fmt: skip
 
 
 def _row(i: int, c: Candidate) -> str:
@@ -178,7 +181,8 @@ def _plan(ns: argparse.Namespace) -> int:
         out = {
             "model": config.to_dict(), "seq_len": seq_len, "global_batch": ns.global_batch,
             "cluster": {"gpu": cluster.gpu.name, "gpus": cluster.gpus, "gpus_per_node": cluster.gpus_per_node,
-                        "usable_memory": cluster.usable_memory, "matmul_efficiency": cluster.gpu.matmul_efficiency},
+                        "usable_memory": cluster.usable_memory, "matmul_efficiency": cluster.gpu.matmul_efficiency,
+                        "kernel_rates": cluster.gpu.kernel_rates.to_dict()},
             "calibration": calibration.to_dict() if calibration else None,
             "layouts": [c.to_dict() for c in ranked],
         }  # fmt: skip
@@ -191,6 +195,7 @@ def _plan(ns: argparse.Namespace) -> int:
         print(f"megascale plan: {ns.model or 'GPT'} ({n_params / 1e9:.2f}B parameters{active}), {cluster.gpus} × "
               f"{cluster.gpu.name} ({cluster.gpus_per_node} per node, {cluster.usable_memory / _GB:.0f} GB usable "
               f"each), global batch {ns.global_batch} × {seq_len} tokens")  # fmt: skip
+        print(_rates_line(cluster, ranked[0]))
         print(
             f" #  {'layout':<52} {'memory/GPU':<22} {'step (s)':>9} {'tokens/s':>12} {'TFLOP/s':>9} {'MFU':>6}  limited by"
         )
@@ -202,6 +207,14 @@ def _plan(ns: argparse.Namespace) -> int:
     if ns.emit_config or ns.cpu_trial:
         _emit(ns, ranked[0], config, seq_len, cluster, workload.precision)
     return 0 if ranked[0].fits else 1
+
+
+def _rates_line(cluster: ClusterSpec, first: Candidate) -> str:
+    """Which kernel-rate table the step times come from, and the MFU cap that bounds them."""
+    rates, cap = cluster.gpu.kernel_rates, first.step.mfu_cap
+    bound = f"MFU capped at {cap:.1%} (the best measured on this kind)" if cap else "no MFU cap"
+    return (f"kernel rates: {rates.name} (GEMMs at {rates.matmul_efficiency:.3g} of peak); {bound}; "
+            "sources: megascale.core.plan.rates, or --json")  # fmt: skip
 
 
 def no_fit_advice(smallest: Candidate, usable: float) -> str:

@@ -1,4 +1,5 @@
-"""Published training runs the planner is checked against: Megatron-LM 2021's weak-scaling table.
+"""Measured training runs the planner is checked against: Megatron-LM 2021's weak-scaling table (A100) and
+the steps measured on one H200 (``data/h200_2026_11_26.csv``: ``MeasuredStep``, at the end).
 
 Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM"
 (SC'21, arXiv 2104.04473), Table 1: GPT models of 1.7B to 1T parameters on 32 to 3,072 A100-80GB GPUs
@@ -23,16 +24,26 @@ from __future__ import annotations
 
 import csv
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from importlib.resources import files
 
 from megascale.core.config import GPTConfig
+from megascale.core.model.gpt import flops_per_token
 from megascale.core.parallel.plan import ParallelPlan
-from megascale.core.plan.cluster import A100_80GB, ClusterSpec, GPUSpec
+from megascale.core.plan.cluster import A100_80GB, H200, ClusterSpec, GPUSpec
 from megascale.core.plan.layout import Kernels, Layout, Runtime, Workload
 from megascale.core.plan.throughput import predict_step
 
-__all__ = ["MegatronRow", "fit_matmul_efficiency", "megatron_2021_table", "predicted_tflops"]
+__all__ = [
+    "MeasuredStep",
+    "MegatronRow",
+    "best_measured_mfu",
+    "fit_matmul_efficiency",
+    "h200_steps",
+    "megatron_2021_table",
+    "predicted_tflops",
+]
 
 SEQ_LEN = 2048
 VOCAB = 51200
@@ -86,6 +97,10 @@ class MegatronRow:
         """TFLOP/s per GPU, as the paper counts them, of a step taking ``step_time`` seconds."""
         return self.paper_flops() / step_time / self.gpus / 1e12
 
+    def error(self, gpu: GPUSpec = A100_80GB) -> float:
+        """predicted / published TFLOP/s per GPU − 1 at the published layout on ``gpu``."""
+        return predicted_tflops(self, gpu) / self.tflops_per_gpu - 1
+
 
 def megatron_2021_table() -> list[MegatronRow]:
     """The rows of Narayanan et al. 2021, Table 1, in order."""
@@ -112,13 +127,16 @@ def predicted_tflops(row: MegatronRow, gpu: GPUSpec = A100_80GB) -> float:
     return row.tflops_at(predict_step(row.workload(), row.layout(), row.cluster(gpu)).step_time)
 
 
-def fit_matmul_efficiency(rows: list[MegatronRow], gpu: GPUSpec = A100_80GB) -> float:
-    """The one ``matmul_efficiency`` that best predicts every row: least squares of log(predicted/published)
-    over the table, by golden-section search on [0.3, 1] (the error is unimodal in it)."""
+def fit_matmul_efficiency(rows: Sequence[MegatronRow | MeasuredStep], gpu: GPUSpec = A100_80GB) -> float:
+    """The one ``matmul_efficiency`` that best predicts every row (table rows or measured steps): least squares
+    of log(predicted / measured) over them, by golden-section search on [0.3, 1] (the error is unimodal), with
+    the MFU cap lifted (it bounds predictions; it is not part of the fit)."""
+
+    uncapped = None if gpu.rates is None else replace(gpu.rates, mfu_cap=None, mfu_cap_by_size=())
 
     def loss(eff: float) -> float:
-        g = replace(gpu, matmul_efficiency=eff)
-        return sum(math.log(predicted_tflops(r, g) / r.tflops_per_gpu) ** 2 for r in rows)
+        g = replace(gpu, matmul_efficiency=eff, rates=uncapped)
+        return sum(math.log(r.error(g) + 1) ** 2 for r in rows)
 
     lo, hi = 0.3, 1.0
     ratio = (math.sqrt(5) - 1) / 2
@@ -134,3 +152,79 @@ def fit_matmul_efficiency(rows: list[MegatronRow], gpu: GPUSpec = A100_80GB) -> 
             b = lo + ratio * (hi - lo)
             fb = loss(b)
     return (lo + hi) / 2
+
+
+@dataclass(frozen=True)
+class MeasuredStep:
+    """One training step measured on one GPU (``data/h200_2026_11_26.csv``: megascale GPT, sequential or
+    parallel blocks, fp32 weights under bf16 autocast, fused AdamW, tp = pp = dp = 1, no recomputation)."""
+
+    label: str
+    d_model: int
+    layers: int
+    heads: int
+    kv_heads: int
+    ffn_hidden: int
+    vocab: int
+    seq_len: int
+    micro_batch: int
+    parallel_block: bool
+    s_per_step: float
+    tokens_per_s: float
+    peak_memory_gb: float
+
+    def workload(self) -> Workload:
+        config = GPTConfig(
+            vocab_size=self.vocab, d_model=self.d_model, n_layers=self.layers, n_heads=self.heads,
+            n_kv_heads=self.kv_heads, ffn_hidden=self.ffn_hidden, max_seq_len=self.seq_len,
+            parallel_block=self.parallel_block, norm="rmsnorm", activation="swiglu", tie_embeddings=False,
+        )  # fmt: skip
+        return Workload(config, seq_len=self.seq_len, global_batch=self.micro_batch)
+
+    def layout(self) -> Layout:
+        plan = ParallelPlan(tp=1, pp=1, zero_stage=0, activation_checkpointing="none")
+        return Layout(plan, dp=1, micro_batch_size=self.micro_batch)
+
+    def cluster(self, gpu: GPUSpec = H200) -> ClusterSpec:
+        return ClusterSpec(gpu, gpus=1)
+
+    def predicted(self, gpu: GPUSpec = H200) -> float:
+        """The planner's seconds per step for this step on ``gpu``."""
+        return predict_step(self.workload(), self.layout(), self.cluster(gpu)).step_time
+
+    def error(self, gpu: GPUSpec = H200) -> float:
+        """predicted / measured step time − 1 (negative: the planner is optimistic)."""
+        return self.predicted(gpu) / self.s_per_step - 1
+
+    def mfu(self, peak_flops: float = H200.peak_flops) -> float:
+        """The measured step's model-FLOP utilisation by ``StepEstimate.mfu``'s count (``flops_per_token``)."""
+        return flops_per_token(self.workload().model, self.seq_len) * self.tokens_per_s / peak_flops
+
+
+def h200_steps() -> list[MeasuredStep]:
+    """The steps measured on one H200 on 2026-11-26, in order."""
+    text = files("megascale.core.plan").joinpath("data/h200_2026_11_26.csv").read_text()
+    rows = csv.DictReader(line for line in text.splitlines() if not line.startswith("#"))
+    return [
+        MeasuredStep(
+            label=r["label"],
+            d_model=int(r["d_model"]),
+            layers=int(r["layers"]),
+            heads=int(r["heads"]),
+            kv_heads=int(r["kv_heads"]),
+            ffn_hidden=int(r["ffn_hidden"]),
+            vocab=int(r["vocab"]),
+            seq_len=int(r["seq_len"]),
+            micro_batch=int(r["micro_batch"]),
+            parallel_block=r["parallel_block"] == "1",
+            s_per_step=float(r["s_per_step"]),
+            tokens_per_s=float(r["tokens_per_s"]),
+            peak_memory_gb=float(r["peak_memory_gb"]),
+        )
+        for r in rows
+    ]
+
+
+def best_measured_mfu(steps: Sequence[MeasuredStep]) -> float:
+    """The highest model-FLOP utilisation among ``steps`` (the H200's ``mfu_cap``)."""
+    return max(s.mfu() for s in steps)

@@ -11,8 +11,9 @@ ep among the divisors of dp that split the experts evenly (what ``check_expert_p
 ZeRO-1 by elements beside ep > 1, where it shards by parameters instead). The overlap switches
 stay at the strategy's defaults (on). Any part can be fixed (``Fixed``); the rest is enumerated.
 
-Ranking: layouts whose predicted memory fits (``ClusterSpec.usable_memory``) by predicted step time, then by
-memory; those that do not fit come after, least memory first, so a fully fixed layout is still predicted.
+Ranking: layouts whose predicted memory fits (``ClusterSpec.usable_memory``) by predicted step time (which the
+GPU kind's MFU cap bounds: ``rates.py``), then by the step the model's parts sum to (so layouts at the cap keep
+their order), then by memory; those that do not fit come after, least memory first, so a fully fixed layout is still predicted.
 """
 
 from __future__ import annotations
@@ -248,7 +249,7 @@ def search(
             too_big.append((memory.total, layout, memory))
     if not fitting and not too_big:
         raise ValueError(_why_none(workload, cluster, fixed or Fixed()))
-    fitting.sort(key=lambda c: (c.step.step_time, c.memory.total))
+    fitting.sort(key=lambda c: (c.step.step_time, c.step.uncapped_step_time or 0.0, c.memory.total))
     too_big.sort(key=lambda t: t[0])
     rest = too_big[: max(0, (top or len(fitting) + len(too_big)) - len(fitting))]
     out = fitting + [

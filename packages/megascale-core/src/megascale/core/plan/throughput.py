@@ -1,13 +1,19 @@
 """Step time of a layout on a cluster: compute, exposed communication, pipeline bubble, optimizer.
 
-Per microbatch and block on one GPU (N = b·s tokens, t = tp; Narayanan et al. 2021 §3 for the structure):
+Per microbatch and block on one GPU (N = b·s tokens, t = tp; Narayanan et al. 2021 §3 for the structure),
+each kind of kernel at its own rate from the GPU kind's kernel-rate table (``rates.py``, ``GPUSpec.kernel_rates``):
 
 - GEMMs: 2·N·(matmul parameters)/t FLOPs forward, twice that backward, at ``matmul_efficiency`` of peak
-  (the one calibrated constant). Attention's two batched GEMMs: 4·b·s·k·H·hd/t, with k the keys a query
-  attends (s for unfused attention, which computes the whole square; (s+1)/2 causal for flash).
-- Elementwise kernels (norms, residual adds with dropout, the activation, rotary, and for unfused attention
-  the softmax and its dropout over b·H/t·s² scores) by the bytes they read and write, at
-  ``memory_efficiency`` of HBM bandwidth; backward moves twice the forward's bytes.
+  (the table's one fitted constant). Attention: 4·b·s·k·H·hd/t FLOPs forward, with k the keys a query attends
+  (s for unfused attention, which computes the whole square; (s+1)/2 causal, or the window's, for flash):
+  a fused kernel at its measured useful rates, forward and backward (2.5x the forward's FLOPs; a sliding
+  window at the table's window rate); unfused, two batched GEMMs at the GEMM rate, backward twice.
+- Memory-bound kernels (norms, residual adds with dropout and the casts around the norms, the activation,
+  rotary, the loss, and for unfused attention the softmax and its dropout over b·H/t·s² scores) by the bytes
+  they read and write, each kind at its fraction of HBM bandwidth, its backward at its multiple of the
+  forward's time.
+- Weight casts: under bf16 autocast over fp32 weights (below ZeRO-2), 6 bytes a parameter forward (fp32 read,
+  bf16 written) and backward (the gradient's cast back), at the table's elementwise rate.
 - Recomputation: "full" repeats each block's forward in backward, "selective" the attention core's.
 - Tensor parallelism: per block, one all-reduce forward and one backward per column/row pair without sequence
   parallelism (two pairs in a sequential block, one in a parallel block), all-gather + reduce-scatter with it
@@ -50,7 +56,10 @@ Per microbatch and block on one GPU (N = b·s tokens, t = tp; Narayanan et al. 2
   (at least one bucket) is exposed. One call per gradient bucket (ZeRO-0/1) or ZeRO unit (ZeRO-2/3; ZeRO-3
   gathers each unit forward and backward of every microbatch).
 - Optimizer: 32 bytes of HBM traffic per fp32 parameter it steps (read parameter, gradient, two moments,
-  write three, and the clipping norm's read).
+  write three, and the clipping norm's read), at the table's optimizer rate.
+- The cap: a step is never predicted faster than the table's MFU cap allows (the best model-FLOP utilisation
+  measured on the GPU kind, ``rates.py``): ``step_time`` is then the cap's, ``uncapped_step_time`` the sum of
+  the parts above.
 
 Model FLOPs (what tokens/s, TFLOP/s per GPU and MFU are computed from) are ``GPT.flops_per_token``'s: the
 training FLOPs of the model, without recomputation (on the active parameters of a mixture of experts).
@@ -58,7 +67,7 @@ training FLOPs of the model, without recomputation (on the active parameters of 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from megascale.core.config import GPTConfig
 from megascale.core.model.gpt import flops_per_token
@@ -74,7 +83,7 @@ from megascale.core.plan.comm import (
 )
 from megascale.core.plan.layout import OPTIMIZER_STATES, Layout, Workload
 from megascale.core.plan.schedule import bubble_fraction
-from megascale.core.plan.shapes import Stage, block_parameters, stages_of_rank
+from megascale.core.plan.shapes import Stage, block_parameters, model_parameters, stages_of_rank
 
 __all__ = ["StepEstimate", "TPCalls", "block_matmul_parameters", "predict_step", "tp_collective_calls"]
 
@@ -97,6 +106,13 @@ class StepEstimate:
     peak_flops: float  # per GPU
     cp_comm: float = 0.0  # the key/value exchange of context parallelism
     ep_comm: float = 0.0  # expert parallelism's all-to-alls (not overlapped)
+    uncapped_step_time: float | None = None  # the sum of the parts, before the MFU cap (None: the same)
+    mfu_cap: float | None = None  # the GPU kind's best measured MFU that bounds ``step_time`` (rates.py)
+
+    @property
+    def capped(self) -> bool:
+        """Whether the parts summed to a step faster than the cap allows (``step_time`` is then the cap's)."""
+        return self.uncapped_step_time is not None and self.uncapped_step_time < self.step_time
 
     @property
     def tokens_per_s(self) -> float:
@@ -114,6 +130,8 @@ class StepEstimate:
     def limiter(self) -> str:
         """The largest cost beside the model's own compute (what to attack next), or "compute" when none
         reaches 2% of the step."""
+        if self.capped:
+            return "mfu_cap"
         parts = {"bubble": self.bubble, "tp_comm": self.tp_comm, "cp_comm": self.cp_comm, "ep_comm": self.ep_comm, "pp_comm": self.pp_comm,
                  "dp_comm": self.dp_comm, "recompute": self.recompute, "optimizer": self.optimizer}  # fmt: skip
         worst = max(parts, key=lambda k: parts[k])
@@ -121,7 +139,7 @@ class StepEstimate:
 
     def to_dict(self) -> dict[str, object]:
         out: dict[str, object] = asdict(self)
-        out.update(tokens_per_s=self.tokens_per_s, tflops_per_gpu=self.tflops_per_gpu, mfu=self.mfu,
+        out.update(tokens_per_s=self.tokens_per_s, tflops_per_gpu=self.tflops_per_gpu, mfu=self.mfu, capped=self.capped,
                    limiter=self.limiter)  # fmt: skip
         return out
 
@@ -150,16 +168,14 @@ def _keys(config: GPTConfig, layer: int, seq_len: int, full_square: bool) -> flo
 
 @dataclass(frozen=True)
 class _Costs:
-    """Forward FLOPs and HBM bytes of one microbatch through a piece of the model on one GPU."""
+    """Forward FLOPs and HBM bytes of one microbatch through a piece of the model on one GPU; the bytes per
+    kind of memory-bound kernel (a ``KernelRates`` field name: each runs at its own rate)."""
 
     gemm: float = 0.0
-    attention: float = 0.0  # the attention core's GEMM FLOPs (recomputed under "selective")
-    bytes: float = 0.0
-    attention_bytes: float = 0.0  # the attention core's elementwise bytes (softmax, rotary)
-
-    def __add__(self, other: _Costs) -> _Costs:
-        return _Costs(self.gemm + other.gemm, self.attention + other.attention, self.bytes + other.bytes,
-                      self.attention_bytes + other.attention_bytes)  # fmt: skip
+    attention: float = 0.0  # the attention core's FLOPs (recomputed under "selective")
+    bytes: dict[str, float] = field(default_factory=dict)
+    attention_bytes: dict[str, float] = field(default_factory=dict)  # the attention core's (softmax, rotary)
+    window: bool = False  # the attention is over a sliding window shorter than the sequence
 
 
 @dataclass(frozen=True)
@@ -230,8 +246,8 @@ class _Model:
         self.cb = workload.compute_bytes
         self.rb = workload.residual_bytes(plan.zero_stage if layout.replicas > 1 else 0)
         g = cluster.gpu
-        self.flop_rate = g.peak_flops * g.matmul_efficiency
-        self.byte_rate = g.memory_bandwidth * g.memory_efficiency
+        self.rates = g.kernel_rates
+        self.flop_rate = g.peak_flops * self.rates.matmul_efficiency
         self._blocks: dict[int | None, _Costs] = {}
 
     # ---- FLOPs and bytes -------------------------------------------------------------------------------
@@ -254,7 +270,10 @@ class _Model:
         attention = 4 * n * keys * heads * hd
         norms, adds = (1, 1) if cfg.parallel_block else (2, 2)
         fused = k.norm == "fused"
-        norm = nr * d * (2 * r + (r + c if c != r else 0)) * (1 if fused else 3)
+        norm_kind = "rms_norm" if cfg.norm == "rmsnorm" else "layer_norm"
+        # the kernel reads and writes the residual's dtype; a narrower compute dtype adds a cast (elementwise)
+        norm = nr * d * 2 * r * (1 if fused else 3)
+        cast = nr * d * (r + c) if c != r else 0.0
         mask = 1 if cfg.dropout > 0 else 0
         add = nr * d * (2 * r + c + mask)
         # the MLP's hidden elements; with a MoE the experts' over the routed rows and the shared experts'
@@ -266,7 +285,6 @@ class _Model:
             act = hidden * c * (3 if k.activation == "fused" else 5)
         else:
             act = hidden * c * (2 if k.activation == "fused" else 4)
-        act += dispatch
         rope = 2 * n * (heads + kv) * hd * c * (1 if k.norm == "fused" else 4)
         scores = self.b * heads * self.s * self.s / self.plan.cp
         if k.attention == "unfused":  # fused scale-mask-softmax, then dropout
@@ -275,22 +293,67 @@ class _Model:
             softmax = scores * 4 * (6 + (3 if cfg.dropout > 0 else 0))
         else:
             softmax = 0.0
-        return _Costs(gemm, attention, norms * norm + adds * add + act, rope + softmax)
+        w = cfg.window_for_layer(layer)
+        return _Costs(
+            gemm, attention,
+            {norm_kind: norms * norm, "elementwise": adds * add + norms * cast + dispatch,
+             "swiglu" if cfg.activation == "swiglu" else "gelu": act},
+            {"rope": rope, "elementwise": softmax}, window=w is not None and w < self.s,
+        )  # fmt: skip
 
     def embedding(self) -> _Costs:
-        return _Costs(bytes=self.nr * self.cfg.d_model * self.rb * 2)
+        return _Costs(bytes={"elementwise": self.nr * self.cfg.d_model * self.rb * 2})
 
     def head(self) -> _Costs:
         cfg, n, t, c = self.cfg, self.n, self.t, self.cb
         v = cfg.padded_vocab_size / t
         norm = self.nr * cfg.d_model * 2 * self.rb
         loss = n * v * (2 * c if self.w.kernels.cross_entropy == "fused" else 2 * c + 3 * 4)
-        return _Costs(gemm=2 * n * cfg.d_model * v, bytes=norm + loss)
+        norm_kind = "rms_norm" if cfg.norm == "rmsnorm" else "layer_norm"
+        return _Costs(gemm=2 * n * cfg.d_model * v, bytes={norm_kind: norm, "cross_entropy": loss})
+
+    def weight_casts(self, parameters: float) -> tuple[float, float]:
+        """Seconds of one microbatch's weight casts on a rank holding ``parameters``, (forward, backward):
+        under bf16 autocast over fp32 weights (megascale's runtime below ZeRO-2) every forward reads each
+        weight and writes a bf16 copy, every backward reads the bf16 gradient and writes the fp32 one
+        (6 bytes a parameter each way); none with 16-bit weights (Megatron-LM 2021, ZeRO-2/3's gathers)."""
+        if self.cb == 4 or self.rb != 4:
+            return 0.0, 0.0
+        t = 6 * parameters / (self.c.gpu.memory_bandwidth * self.rates.elementwise.fraction)
+        return t, t
 
     # ---- times -----------------------------------------------------------------------------------------
 
-    def _time(self, flops: float, nbytes: float) -> float:
-        return flops / self.flop_rate + nbytes / self.byte_rate
+    def _memory_time(self, nbytes: dict[str, float]) -> tuple[float, float]:
+        """(forward, backward) seconds of memory-bound kernels, each kind at its own rate."""
+        fwd = bwd = 0.0
+        bandwidth = self.c.gpu.memory_bandwidth
+        for kind, count in nbytes.items():
+            rate = getattr(self.rates, kind)
+            t = count / (bandwidth * rate.fraction)
+            fwd, bwd = fwd + t, bwd + rate.backward * t
+        return fwd, bwd
+
+    def _attention_time(self, cost: _Costs) -> tuple[float, float]:
+        """(forward, backward) seconds of the attention core's FLOPs: a fused kernel at its measured rates
+        (its backward does 2.5x the forward's FLOPs), else batched GEMMs (backward twice the forward)."""
+        rate = None
+        if self.w.kernels.attention == "flash":
+            rate = (self.rates.window_attention if cost.window else None) or self.rates.attention
+        if rate is None:
+            t = cost.attention / self.flop_rate
+            return t, 2 * t
+        peak = self.c.gpu.peak_flops
+        return cost.attention / (peak * rate.forward), 2.5 * cost.attention / (peak * rate.backward)
+
+    def times(self, cost: _Costs) -> tuple[float, float, float]:
+        """(forward, backward, selective recomputation) seconds of one microbatch through ``cost``: GEMMs at
+        the matmul rate (backward twice the forward), attention and memory-bound kernels at their own."""
+        gemm = cost.gemm / self.flop_rate
+        att_f, att_b = self._attention_time(cost)
+        mem_f, mem_b = self._memory_time(cost.bytes)
+        core_f, core_b = self._memory_time(cost.attention_bytes)
+        return gemm + att_f + mem_f + core_f, 2 * gemm + att_b + mem_b + core_b, att_f + core_f
 
     def tp_units_per_block(self) -> tuple[float, float]:
         """Tensor-parallel traffic per block, forward and backward, in all-gathers of one N·D activation."""
@@ -384,23 +447,23 @@ class _Model:
             if window not in self._blocks:
                 self._blocks[window] = self.block(layer)
             cost = self._blocks[window]
-            tf = self._time(cost.gemm + cost.attention, cost.bytes + cost.attention_bytes)
+            tf, tb, core = self.times(cost)
             fwd += tf
-            bwd += 2 * tf
+            bwd += tb
             if ac == "full":
                 rec += tf
                 tp_total += units_f * unit_time + lat_f
             elif ac == "selective":
-                rec += self._time(cost.attention, cost.attention_bytes)
+                rec += core
             tp_total += (units_f + units_b) * unit_time + lat_f + lat_b
         for name, piece, present in (
             ("embedding", self.embedding(), stage.first),
             ("head", self.head(), stage.last),
         ):
             if present:
-                tf = self._time(piece.gemm, piece.bytes)
+                tf, tb, _ = self.times(piece)
                 fwd += tf
-                bwd += 2 * tf
+                bwd += tb
                 tp_total += 2 * unit_time + sum(calls.get(name, (0.0, 0.0)))
         hidden = self.plan.overlap_tp_comm and self.c.gpu.overlap
         exposed_tp = (tp_total / self.plan.tp_comm_chunks if hidden else tp_total) + moe_tp
@@ -431,15 +494,10 @@ def predict_step(workload: Workload, layout: Layout, cluster: ClusterSpec) -> St
         if key not in cache:
             times = [model.stage_time(s) for s in stages]
             fwd, bwd, rec, tp, cpc, epc = (sum(t[i] for t in times) for i in range(6))
-            cache[key] = (
-                fwd,
-                bwd,
-                rec,
-                tp,
-                cpc,
-                epc,
-                sum(s.parameters(cfg, plan.tp, plan.ep) for s in stages),
-            )
+            params = sum(s.parameters(cfg, plan.tp, plan.ep) for s in stages)
+            cast_f, cast_b = model.weight_casts(params)
+            rec += cast_f if plan.activation_checkpointing == "full" else 0.0
+            cache[key] = (fwd + cast_f, bwd + cast_b, rec, tp, cpc, epc, params)
         per_rank.append(cache[key])
     t_mb = [f + b + rc + tp + cpc + epc for f, b, rc, tp, cpc, epc, _ in per_rank]
     slowest = max(range(p), key=lambda r: t_mb[r])
@@ -469,15 +527,21 @@ def predict_step(workload: Workload, layout: Layout, cluster: ClusterSpec) -> St
         stepped = (params - experts) / layout.replicas + experts / max(layout.dp // plan.ep, 1)
     else:
         stepped = params
-    hbm = cluster.gpu.memory_bandwidth * cluster.gpu.memory_efficiency
+    hbm = cluster.gpu.memory_bandwidth * model.rates.optimizer.fraction
     optimizer = stepped * (4 * (3 + 2 * k) + 4) / hbm  # read p, g, states; write p, states; the clip's read
     compute = m * (fwd + bwd + rec)
     step = compute + m * tp + m * cpc + m * epc + bubble + pp_comm + dp_comm + optimizer
     tokens = layout.global_batch * workload.seq_len
+    model_flops = flops_per_token(cfg, workload.seq_len) * tokens
+    rates = model.rates
+    cap = rates.cap(model_parameters(cfg, active=True)) if rates.mfu_cap_by_size else rates.mfu_cap
+    # no layout faster than the best model-FLOP utilisation measured on this GPU kind (rates.py)
+    floor = model_flops / layout.gpus / (cluster.gpu.peak_flops * cap) if cap else 0.0
     return StepEstimate(
-        step_time=step, compute=compute, recompute=m * rec, bubble=bubble, tp_comm=m * tp, pp_comm=pp_comm,
-        dp_comm=dp_comm, optimizer=optimizer, tokens=tokens, model_flops=flops_per_token(cfg, workload.seq_len) * tokens,
+        step_time=max(step, floor), compute=compute, recompute=m * rec, bubble=bubble, tp_comm=m * tp,
+        pp_comm=pp_comm, dp_comm=dp_comm, optimizer=optimizer, tokens=tokens, model_flops=model_flops,
         gpus=layout.gpus, peak_flops=cluster.gpu.peak_flops, cp_comm=m * cpc, ep_comm=m * epc,
+        uncapped_step_time=step, mfu_cap=cap,
     )  # fmt: skip
 
 
