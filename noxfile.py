@@ -68,7 +68,8 @@ PACKAGES = {
 # What a package's tests need beyond the package itself (test tools, servers), never another megascale package.
 EXTRA_TEST_DEPS = {
     # transformers: the reference the Hugging Face conversions are tested against (Qwen3 needs >= 4.51)
-    "core": ["transformers>=4.51", "safetensors>=0.4"],
+    # torchao: the fp8 option's float8 GEMMs (tests/core/test_fp8.py runs them on the CPU)
+    "core": ["transformers>=4.51", "safetensors>=0.4", "torchao>=0.18"],
     "lightning": ["transformers>=4.51", "safetensors>=0.4"],
     "data": ["moto[server]>=5", "tokenizers>=0.19"],
     "ft": ["moto[server]>=5"],

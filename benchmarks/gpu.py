@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import importlib.util
 import io
@@ -369,6 +370,7 @@ def part_train(
             out.setdefault("flops_per_token", fpt)
             del model
 
+    _fp8_rows(table, device, sizes, smoke, budget, case, peak, out.get("megascale"))
     try:
         import transformers
     except ImportError as exc:
@@ -409,6 +411,68 @@ def part_train(
     return out
 
 
+def _fp8_unavailable(device: torch.device, smoke: bool) -> str | None:
+    """Why the fp8 rows cannot be timed here (None when they can)."""
+    if smoke or device.type != "cuda":
+        return (
+            "fp8 speed needs a CUDA GPU of compute capability >= 8.9 (torch's CPU _scaled_mm is no speed; "
+            "tests/core/test_fp8.py checks the numerics on the CPU)"
+        )
+    try:
+        from megascale.core.fp8 import check_fp8_device, torchao_float8
+
+        check_fp8_device(device)
+        torchao_float8()
+    except (ImportError, RuntimeError) as exc:
+        return _short(exc)
+    return None
+
+
+def _fp8_rows(
+    table: Table, device: torch.device, sizes: Sizes, smoke: bool, budget: Budget, case: str,
+    peak: float | None, eager_bf16: TrainResult | None,
+) -> None:  # fmt: skip
+    """GPTConfig.fp8 (torchao float8 GEMMs in the blocks' projections) against bf16: eagerly, and with every
+    block under torch.compile, which fuses fp8's scale and cast kernels (torchtitan's setting for its 1.28x
+    at Llama-3-8B on H100); each fp8 row's ``vs`` is its throughput over bf16's in the same mode."""
+    from megascale.core import GPT
+
+    runs = [(False, "tensorwise"), (False, "rowwise"), (True, None), (True, "tensorwise"), (True, "rowwise")]
+    why = _fp8_unavailable(device, smoke)
+    base = {False: eager_bf16}
+    x, y = _batch(sizes, device)
+    for compiled, recipe in runs:
+        mode = "blocks compiled, " if compiled else ""
+        name = f"megascale GPT, {mode}{'fp8 ' + recipe if recipe else 'bf16'}"
+        if why is not None:
+            table.add("train", case, name, note=f"skipped: {why}")
+            continue
+        if budget.spent(reserve=120 if compiled else 30):
+            table.add("train", case, name, note="skipped: time budget spent")
+            continue
+        with guarded(table, "train", case + " " + name):
+            from megascale.core.fp8 import convert_to_float8
+
+            torch.manual_seed(0)
+            model = GPT(dataclasses.replace(_gpt_config(sizes), fp8=recipe)).to(device)
+            converted = convert_to_float8(model, device=device) if recipe is not None else []
+            if compiled:
+                for block in model.blocks.values():
+                    block.compile()
+            params = sum(p.numel() for p in model.parameters())
+            fpt = _torchtitan_flops_per_token(params, model.embed.weight.numel(), sizes)
+            step_s, mem = _time_steps(model, lambda m=model: m(x, y), device, sizes, budget)
+            result = TrainResult(step_s, mem, x.numel() / step_s)
+            vs = base.get(compiled) if recipe is not None else None
+            note = f"{len(converted)} projections in fp8; vs: the bf16 row of this mode" if recipe else ""
+            _train_row(table, case, name, result, fpt, peak, vs, note)
+            if recipe is None:
+                base[compiled] = result
+            del model
+            if compiled:
+                torch._dynamo.reset()
+
+
 # --- the plan -------------------------------------------------------------------------------------------------
 
 
@@ -427,7 +491,7 @@ def part_plan(table: Table, device: torch.device, sizes: Sizes, measured: dict[s
         "--kv-heads", str(sizes.n_kv_heads), "--ffn-hidden", str(sizes.ffn_hidden), "--vocab", str(sizes.vocab),
         "--gpus", "1", "--gpu", gpu, "--global-batch", str(sizes.micro), "--seq-len", str(sizes.seq),
         "--tp", "1", "--pp", "1", "--dp", "1", "--zero-stage", "0", "--micro-batch-size", str(sizes.micro),
-        "--activation-checkpointing", "none", "--json",
+        "--activation-checkpointing", "none", "--no-parallel-block", "--json",  # the sequential blocks measured
     ]  # fmt: skip
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
@@ -443,7 +507,9 @@ def part_plan(table: Table, device: torch.device, sizes: Sizes, measured: dict[s
     table.add(
         "plan", f"megascale plan --gpu {gpu} (tp1 pp1 dp1 zero0, mb {sizes.micro})", "prediction",
         time=f"{predicted_s:.4g} s/step", rate=f"MFU {best['step']['mfu']:.1%} predicted", vs=vs,
-        memory=_gib(predicted_mem), note=note or "vs the megascale GPT row above",
+        memory=_gib(predicted_mem),
+        note=note or f"vs the megascale GPT row above; rates: {json.loads(buf.getvalue())['cluster']['kernel_rates']['name']}"
+        + (", at the measured-MFU cap" if best["step"].get("capped") else ""),
     )  # fmt: skip
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
-from typing import Literal
+from typing import Literal, get_args
 
 __all__ = ["GPTConfig", "MoEConfig", "RopeScaling"]
 
@@ -17,6 +17,8 @@ NormKind = Literal["rmsnorm", "layernorm"]
 ActivationKind = Literal["swiglu", "gelu"]
 RopeScalingKind = Literal["llama3"]
 RouterScore = Literal["softmax", "sigmoid"]
+Float8Recipe = Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"]
+FLOAT8_RECIPES: tuple[str, ...] = get_args(Float8Recipe)
 
 
 @dataclass(frozen=True)
@@ -156,6 +158,10 @@ class GPTConfig:
             too, as a saved config holds it); None = dense MLPs.
         kernels: force kernel backends, e.g. {"attention": "sdpa", "rms_norm": "triton"}; empty = fastest
             available (see ``megascale.core.kernels``).
+        fp8: FP8 training of the blocks' projections with torchao's float8 recipe of this name
+            ("tensorwise", "rowwise" or "rowwise_with_gw_hp"; ``megascale.core.fp8``), applied by
+            ``parallelize``; None = the projections run in the training precision. Needs torchao
+            (``megascale-core[fp8]``) and a CUDA GPU of compute capability >= 8.9, or the CPU (for tests).
     """
 
     vocab_size: int = 50257
@@ -184,6 +190,7 @@ class GPTConfig:
     pad_vocab_to_multiple_of: int = 128
     moe: MoEConfig | None = None
     kernels: dict[str, str] = field(default_factory=dict)
+    fp8: Float8Recipe | None = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -244,6 +251,10 @@ class GPTConfig:
         if unknown:
             problems.append(
                 f"kernels names unknown kernels {sorted(unknown)}; known: {sorted(_KERNEL_NAMES)}"
+            )
+        if self.fp8 is not None and self.fp8 not in FLOAT8_RECIPES:
+            problems.append(
+                f"fp8={self.fp8!r} is not a float8 recipe; choose one of {list(FLOAT8_RECIPES)} or None"
             )
         if problems:
             raise ValueError("invalid GPTConfig: " + "; ".join(problems))

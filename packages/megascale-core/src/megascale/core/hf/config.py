@@ -195,7 +195,7 @@ MODEL_TYPES: tuple[str, ...] = tuple(_FAMILIES)
 """The Hugging Face model types converted both ways."""
 
 OVERRIDABLE: frozenset[str] = frozenset(
-    {"max_seq_len", "pad_vocab_to_multiple_of", "kernels", "dropout", "init_std"}
+    {"max_seq_len", "pad_vocab_to_multiple_of", "kernels", "dropout", "init_std", "fp8"}
 )
 """GPTConfig fields that only say how to train or run the model (not what its weights compute), which a
 caller may set on import."""

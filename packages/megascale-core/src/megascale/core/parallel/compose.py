@@ -13,6 +13,8 @@ not. ``mesh`` is the ("dp", "pp", "cp", "tp") DeviceMesh of ``ParallelDims.build
 1c. expert parallelism on "dp" seen as ("edp", "ep"): every megascale GPT's MoE layers keep 1/ep of their
    experts and move tokens by all-to-all (``ep.apply_expert_parallel``); the experts' gradients are averaged
    over "edp" beside the dense parameters' ZeRO (``ep.ExpertReplicas``, ZeRO-0 only so far);
+1d. fp8: every megascale GPT with ``GPTConfig.fp8`` gets torchao's float8 GEMMs in its blocks' projections,
+   the split ones included (``megascale.core.fp8``), before ZeRO shards their unchanged parameters;
 2. pipeline split on "pp": the one model offering ``pipeline_layers()``/``pipeline_loss()`` keeps this
    rank's stages — still on the meta device, so no rank materialises the whole model;
 3. materialisation of meta tensors (``materialize``: each module's own init, the same values in any layout;
@@ -212,6 +214,8 @@ def parallelize(
     dispatchers: list[WaitTimed] = []
     if plan.ep > 1:  # 1c.
         experts, emesh, dispatchers = _apply_expert_parallel(module, gpts, mesh, plan)
+    if any(gpt.config.fp8 is not None for gpt in gpts):  # 1d.
+        notes += _apply_fp8(gpts, plan, device)
     edp_mesh = emesh["edp"] if emesh is not None else None
     replicas = _replica_mesh(mesh, dims)
     stages: list[StageModule] = []
@@ -529,6 +533,29 @@ def _expert_replicas(
         accumulations=plan.microbatches if plan.pp > 1 else 1,
     )  # fmt: skip
     return ExpertReplicas(dense, held, edp_mesh.get_group())
+
+
+# ---- 1d. fp8 ---------------------------------------------------------------------------------------------
+
+
+def _apply_fp8(gpts: list[GPT], plan: ParallelPlan, device: torch.device | str) -> list[str]:
+    from megascale.core.fp8 import convert_to_float8  # torchao: imported only when a config asks for fp8
+
+    notes = []
+    for gpt in gpts:
+        if gpt.config.fp8 is None:
+            continue
+        if not convert_to_float8(gpt, device=device):
+            notes.append(
+                f"fp8={gpt.config.fp8!r}: no projection of the blocks has both dimensions multiples of 16 "
+                f"(per tensor-parallel shard, tp={plan.tp}), so none runs in fp8"
+            )
+        elif plan.tp > 1 and plan.overlap_tp_comm:
+            notes.append(
+                "fp8: the tensor-parallel collectives of the fp8 projections run in one piece, not overlapped "
+                "with their GEMMs (overlap_tp_comm applies to the other layers only so far)"
+            )
+    return notes
 
 
 def _replica_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
