@@ -34,17 +34,25 @@ class Cell:
     seed: int
     layout: str | None  # None: the one-process reference
     saved_under: str | None = None  # resume cells: the layout whose checkpoint is resumed
+    reference_moe: bool = False  # a reference: of the mixture-of-experts model (what ep layouts train)
+
+    @property
+    def moe(self) -> bool:
+        """Whether the cell trains the model with mixture-of-experts feed-forwards."""
+        return LAYOUT[self.layout].moe if self.layout is not None else self.reference_moe
 
     @property
     def id(self) -> str:
         where = "reference" if self.layout is None else slug(self.layout)
+        if self.layout is None and self.moe:
+            where = "reference-moe"
         if self.saved_under is not None:
             return f"resume-s{self.seed}-{slug(self.saved_under)}-to-{where}"
         return f"{self.scenario}-s{self.seed}-{where}"
 
     @property
     def reference(self) -> Cell:
-        return Cell(self.scenario, self.seed, None)
+        return Cell(self.scenario, self.seed, None, reference_moe=self.moe)
 
     @property
     def saver(self) -> Cell:
@@ -62,8 +70,9 @@ def all_cells(seeds: int) -> list[Cell]:
     return cells
 
 
-# variants of a layout CI also runs in its main form (ZeRO-1 sharded by elements, tp2 with sequence parallelism)
-VARIANTS = ("dp2/zero1-params", "tp2/no-sp")
+# variants of a layout CI also runs in its main form (ZeRO-1 sharded by elements, tp2 with sequence parallelism,
+# ep2 with ZeRO-0)
+VARIANTS = ("dp2/zero1-params", "tp2/no-sp", "ep2/zero1-params")
 
 
 def in_ci_tier(cell: Cell) -> bool:
@@ -73,10 +82,12 @@ def in_ci_tier(cell: Cell) -> bool:
     2-rank checkpoints and from each other, and every 4-rank checkpoint shrunk onto 2 ranks. The rest is the
     slow tier (``nox -s conformance`` runs all)."""
     assert cell.layout is not None
-    world4 = [layout.name for layout in LAYOUTS if layout.world == 4]
+    # the turns below are taken among the layouts training the same model (dense, or with experts: ep)
+    same_model = [layout for layout in LAYOUTS if layout.moe == cell.moe]
+    world4 = [layout.name for layout in same_model if layout.world == 4]
     if cell.layout in VARIANTS and cell.saved_under is None:  # every other scenario (and the plain one)
         index = [s.name for s in SCENARIOS].index(cell.scenario)
-        return index == 0 or index % 2 == VARIANTS.index(cell.layout)
+        return index == 0 or index % 2 == VARIANTS.index(cell.layout) % 2
     if LAYOUT[cell.layout].world == 2:
         return True  # the other 2-rank layouts: every scenario, every resume (from 2 or 4 ranks)
     if cell.saved_under is None:  # the scenario's turn among the 4-rank layouts it runs under
@@ -85,7 +96,7 @@ def in_ci_tier(cell: Cell) -> bool:
         return runs_under[SCENARIOS.index(scenario) % len(runs_under)] == cell.layout
     if LAYOUT[cell.saved_under].world == 4:
         return True
-    world2 = [layout.name for layout in LAYOUTS if layout.world == 2]
+    world2 = [layout.name for layout in same_model if layout.world == 2]
     turn = world4.index(cell.layout)
     return world2.index(cell.saved_under) in (turn, turn + len(world4))
 
@@ -135,7 +146,7 @@ def _launch_once(cells: list[Cell], world: int, out: Path, name: str) -> None:
         resume = None
         if cell.saved_under is not None:
             resume = str(out / "work" / cell.saver.id / "epochs" / "epoch=0.ckpt")
-        jobs.append(dict(cell=cell.id, scenario=cell.scenario, seed=cell.seed, layout=cell.layout,
+        jobs.append(dict(cell=cell.id, scenario=cell.scenario, seed=cell.seed, layout=cell.layout, moe=cell.moe,
                          resume_from=resume, work=str(out / "work" / cell.id)))  # fmt: skip
     spec = out / f"{name}.json"
     spec.write_text(json.dumps({"jobs": jobs}))

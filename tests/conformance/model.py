@@ -23,7 +23,9 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import grad_norm
 from torch import nn
 
+from megascale.core import GPTConfig, MoEConfig
 from megascale.core.model import PipelineLayers
+from megascale.core.model.moe import MoE, take_balancing_losses
 
 LR = 1e-2
 # AdamW's eps bounds how much it amplifies rounding noise in a near-zero gradient (each layout sums in its own
@@ -97,14 +99,21 @@ class MLP(nn.Module):
         return self.down(F.gelu(self.up(x)))
 
 
+def experts(width: int, heads: int) -> MoE:
+    """megascale's mixture-of-experts layer as a model of one's own uses it: 4 experts of width 2·width, 2 per
+    token, a balancing loss the model adds to its loss (``take_balancing_losses``)."""
+    moe = MoEConfig(num_experts=4, top_k=2, expert_hidden=2 * width, aux_loss_coef=0.05)
+    return MoE(GPTConfig(vocab_size=8, d_model=width, n_heads=heads, moe=moe))
+
+
 class Block(nn.Module):
     def __init__(self, width: int, heads: int, kv_heads: int, bias: bool, fused: bool, mask_len: int,
-                 layer_scale: bool, mask_device: bool) -> None:  # fmt: skip
+                 layer_scale: bool, mask_device: bool, moe: bool = False) -> None:  # fmt: skip
         super().__init__()
         self.attn_norm = nn.LayerNorm(width, bias=bias)
         self.attn = Attention(width, heads, kv_heads, bias, fused, mask_len, mask_device)
         self.mlp_norm = nn.LayerNorm(width, bias=bias)
-        self.mlp = MLP(width, bias, fused)
+        self.mlp: nn.Module = experts(width, heads) if moe else MLP(width, bias, fused)
         # a learned per-block gain (LayerScale / ReZero), a plain parameter held by the block itself
         self.gain = nn.Parameter(torch.ones(width)) if layer_scale else None
         self.active = True  # LayerDrop: the LightningModule switches blocks off for a step
@@ -174,7 +183,8 @@ class Net(nn.Module):
         kv_heads = heads if features.get("fused") else shape["kv_heads"]
         self.blocks = nn.ModuleList(
             Block(width, heads, kv_heads, shape["bias"], bool(features.get("fused")), mask_len,
-                  bool(features.get("layer_scale")), features.get("mask_buffer") == "cpu")
+                  bool(features.get("layer_scale")), features.get("mask_buffer") == "cpu",
+                  bool(features.get("moe")))
             for _ in range(shape["layers"])
         )  # fmt: skip
         self.head = Head(width, vocab, shape["bias"], bool(features.get("unused")))
@@ -226,7 +236,11 @@ class Net(nn.Module):
         for block in self.blocks:
             x = block(x)
         logits = self.head(x)
-        return logits if targets is None else self.pipeline_loss(logits, targets)
+        if targets is None:
+            return logits
+        loss = self.pipeline_loss(logits, targets)
+        balancing = take_balancing_losses(self)  # mixture-of-experts layers' (a pipeline stage adds its own)
+        return loss if balancing is None else loss + balancing
 
 
 def _seed(name: str) -> int:
@@ -247,7 +261,8 @@ class ConformanceModule(LightningModule):
     in their ``setup``, before ``configure_model`` runs); and the
     model's own: tie, tie_unplanned (the tied head left out of the TP plan), pos_embed, mask_buffer (True, or
     "cpu": created with an explicit device), fused,
-    layer_scale, unmarked_norms, torch_sp_norms; own_parallelize: configure_model splits the model itself
+    layer_scale, unmarked_norms, torch_sp_norms; moe: every block's feed-forward megascale's mixture of
+    experts (``experts``; the ep layouts' model); own_parallelize: configure_model splits the model itself
     on ``self.device_mesh`` as a module written for ModelParallelStrategy does.
     """
 
@@ -295,6 +310,9 @@ class ConformanceModule(LightningModule):
     @torch.no_grad()
     def init_weights(self) -> None:
         """Every parameter from a generator seeded by its name: the same values in any layout."""
+        for module in self.modules():  # their routers' statistics buffers (zero) too, as MoE's docs say
+            if isinstance(module, MoE):
+                module.init_weights()
         for name, p in self.named_parameters():
             g = torch.Generator().manual_seed(_seed(name))
             values = torch.randn(p.shape, generator=g)

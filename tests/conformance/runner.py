@@ -5,7 +5,8 @@
 
 (tests/conformance/matrix.py forks the ranks with torchrun's environment instead: tests/lightning/_launch.py.)
 
-SPEC.json: {"jobs": [{"cell", "scenario", "seed", "layout" (None: the one-process reference),
+SPEC.json: {"jobs": [{"cell", "scenario", "seed", "layout" (None: the one-process reference), "moe" (the
+model with mixture-of-experts feed-forwards),
 "resume_from" (a checkpoint, or None), "work" (a directory for this cell's checkpoints)}]}. Every job is a
 ``Trainer.fit`` of ``model.ConformanceModule``; all jobs of a launch share its process group (Lightning keeps
 it), so a launch pays the imports once. For each job rank 0 writes ``OUT_DIR/<cell>.pt`` (see ``_record``), and
@@ -105,7 +106,8 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     layout = LAYOUT[job["layout"]] if job["layout"] else None
     work = Path(job["work"])
     seed_everything(0, verbose=False)
-    module = ConformanceModule(draw_shape(job["seed"], scenario.name), scenario.features)
+    features = {**scenario.features, "moe": True} if job.get("moe") else scenario.features
+    module = ConformanceModule(draw_shape(job["seed"], scenario.name), features)
     recorder = Recorder()
     callbacks = [recorder, *make_callbacks(scenario.callbacks)]
     if scenario.saves:

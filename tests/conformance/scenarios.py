@@ -23,9 +23,20 @@ TRAIN_SEQUENCES, VAL_SEQUENCES = 8, 8  # 2 optimizer steps per epoch
 
 @dataclass(frozen=True)
 class Layout:
+    """``moe``: the layout splits experts (ep > 1), so its cells train the model with mixture-of-experts
+    feed-forwards (megascale's ``MoE`` layer in every block) against one process running that model."""
+
     name: str
     strategy: dict[str, Any]
     world: int
+
+    @property
+    def moe(self) -> bool:
+        return self.ep > 1
+
+    @property
+    def ep(self) -> int:
+        return int(self.strategy.get("ep", 1))
 
     @property
     def tp(self) -> int:
@@ -61,6 +72,12 @@ LAYOUTS = [
     Layout("tp2×dp2/zero1", dict(tp=2, zero_stage=1), 4),
     Layout("tp2×pp2", dict(tp=2, pp=2), 4),
     Layout("pp2×dp2/zero2", dict(pp=2, zero_stage=2), 4),
+    # expert parallelism: the model's feed-forwards are mixtures of experts, split over the dp ranks
+    # (ZeRO-1 by elements is refused with ep > 1: ZeRO-1 here shards by parameters)
+    Layout("ep2", dict(ep=2, zero_stage=0), 2),
+    Layout("ep2/zero1-params", dict(ep=2, zero_stage=1, zero1_sharding="parameters"), 2),
+    Layout("ep2×dp2/zero3", dict(ep=2, zero_stage=3), 4),
+    Layout("ep2×pp2", dict(ep=2, pp=2, zero_stage=1, zero1_sharding="parameters"), 4),
 ]
 LAYOUT = {layout.name: layout for layout in LAYOUTS}
 
@@ -237,19 +254,19 @@ def draw_shape(seed: int, scenario: str) -> dict[str, Any]:
 # ---- what is refused, by name -------------------------------------------------------------------------
 # {scenario: [(predicate on the layout, words the refusal must contain)]}; every other cell must be exact.
 def _sharded(layout: Layout) -> bool:
-    return layout.tp > 1 or layout.pp > 1 or layout.zero >= 2
+    return layout.tp > 1 or layout.pp > 1 or layout.ep > 1 or layout.zero >= 2
 
 
 def _dtensor_grads(layout: Layout) -> bool:
-    return layout.tp > 1 or layout.zero >= 2
+    return layout.tp > 1 or layout.ep > 1 or layout.zero >= 2
+
+
+def _split_or_experts(layout: Layout) -> bool:  # DTensors beside plain tensors, or of several meshes
+    return layout.tp > 1 or layout.ep > 1
 
 
 def _pipelined(layout: Layout) -> bool:
     return layout.pp > 1
-
-
-def _split(layout: Layout) -> bool:
-    return layout.tp > 1
 
 
 def _sequence_parallel(layout: Layout) -> bool:
@@ -261,11 +278,15 @@ def _no_sequence_parallel(layout: Layout) -> bool:
 
 
 def _breaks_finetuning(layout: Layout) -> bool:
-    return layout.tp > 1 or (layout.pp > 1 and layout.zero >= 2)
+    return layout.tp > 1 or layout.ep > 1 or (layout.pp > 1 and layout.zero >= 2)
 
 
 def _context_parallel(layout: Layout) -> bool:
     return layout.cp > 1
+
+
+def _expert_parallel(layout: Layout) -> bool:
+    return layout.ep > 1
 
 
 def _always(layout: Layout) -> bool:
@@ -277,12 +298,13 @@ REFUSED: dict[str, list[tuple[Any, str]]] = {
     "manual": [(_pipelined, "manual optimization (automatic_optimization=False) cannot run")],
     "manual-accumulate": [(_pipelined, "manual optimization (automatic_optimization=False) cannot run")],
     "finetuning": [(_breaks_finetuning, "(BaseFinetuning) cannot unfreeze under MegaScaleStrategy")],
-    "lightning-grad-norm": [(_dtensor_grads, "are tensor-parallel or ZeRO-2/3 shards")],
-    "torch-clip": [(_split, "are tensor-parallel or ZeRO-2/3 shards")],
+    "lightning-grad-norm": [(_dtensor_grads, "expert-parallel or ZeRO-2/3 shards (DTensors)")],
+    "torch-clip": [(_split_or_experts, "expert-parallel or ZeRO-2/3 shards (DTensors)")],
     "tied": [(_pipelined, "which different pipeline stages hold (tied weights)")],
     "model-parallel-module": [
         (_pipelined, "the model applied fully_shard itself, and pp > 1"),
         (_context_parallel, "applied fully_shard itself on the data-parallel mesh, and cp=2"),
+        (_expert_parallel, "applied fully_shard itself on the data-parallel mesh, and ep=2"),
     ],
     "buffers": [(_always, "were computed on the meta device in __init__")],
     "unmarked-norms": [(_sequence_parallel, "on a sequence shard")],
@@ -321,4 +343,5 @@ def resume_pairs(layouts: list[Layout] | None = None) -> list[tuple[Layout, Layo
     LAYOUTS order resumes the earlier one's checkpoint (world-2 layouts come first, so a world-4 run resumes
     world-2 checkpoints and the other way round happens among world-2 and world-4 layouts' own pairs)."""
     layouts = layouts or LAYOUTS
-    return [(a, b) for i, a in enumerate(layouts) for b in layouts[i + 1 :]]
+    # a checkpoint of the mixture-of-experts model resumes only where that model trains (the ep layouts)
+    return [(a, b) for i, a in enumerate(layouts) for b in layouts[i + 1 :] if a.moe == b.moe]

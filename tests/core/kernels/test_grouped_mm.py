@@ -48,3 +48,16 @@ def test_widths_whose_rows_are_not_16_byte_aligned_take_the_reference() -> None:
 def test_the_reference_refuses_counts_that_do_not_add_up() -> None:
     with pytest.raises(ValueError, match="add up to 5 rows, x has 6"):
         kernels.grouped_mm(torch.randn(6, 16), torch.randn(2, 8, 16), torch.tensor([2, 3]), backend="torch")
+
+
+@pytest.mark.parametrize("counts", [[3, 0, 2, 0], [0, 0, 0, 0]])
+def test_under_autocast_no_rows_come_out_in_the_dtype_rows_would(counts: list[int]) -> None:
+    """Expert-parallel peers exchange these outputs: a rank that received no rows must send what its peer
+    expects to receive (bf16 under autocast), or the all-to-all aborts on a size mismatch."""
+    x = torch.randn(sum(counts), 16, requires_grad=True)
+    weight = torch.randn(4, 8, 16, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = kernels.grouped_mm(x, weight, torch.tensor(counts), backend="torch")
+    assert got.dtype == torch.bfloat16 and got.shape == (sum(counts), 8)
+    gx, gw = torch.autograd.grad(got.float().sum(), (x, weight))
+    assert gx.shape == x.shape and gw.shape == weight.shape

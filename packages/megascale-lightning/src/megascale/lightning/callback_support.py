@@ -19,8 +19,9 @@ that names the feature, the layout and what to do instead:
 - ``BaseFinetuning.unfreeze_and_add_param_group`` drops parameters already in the optimizer by comparing
   values (``torch.equal``) with every optimizer parameter, which raises for a DTensor against a plain tensor,
   and is a collective between sharded ones, which deadlocked across pipeline stages (pp2 × dp2 ZeRO-2):
-  refused where the model holds both kinds (tensor parallelism, a model's own ``fully_shard``) or sharded ones
-  under pp, with the two lines that do the same by hand. Freezing (``freeze_before_training``) and unfreezing by hand work
+  refused where the model holds both kinds (tensor parallelism, a model's own ``fully_shard``), DTensors of
+  several meshes (expert parallelism's experts beside ZeRO-2/3's dense shards) or sharded ones under pp, with
+  the two lines that do the same by hand. Freezing (``freeze_before_training``) and unfreezing by hand work
   under every layout.
 """
 
@@ -38,35 +39,37 @@ from megascale.lightning.weight_readers import gradient_readers
 __all__ = ["check_trainer_features"]
 
 
-def _layout(dims: ParallelDims, zero_stage: int) -> str:
+def _layout(dims: ParallelDims, zero_stage: int, ep: int = 1) -> str:
     cp = f" × cp={dims.cp}" if dims.cp > 1 else ""
-    return f"dp={dims.dp} × pp={dims.pp}{cp} × tp={dims.tp}, ZeRO stage {zero_stage}"
+    experts = f", experts split over ep={ep} of the dp ranks" if ep > 1 else ""
+    return f"dp={dims.dp} × pp={dims.pp}{cp} × tp={dims.tp}, ZeRO stage {zero_stage}{experts}"
 
 
 def check_trainer_features(
-    trainer: Trainer, module: LightningModule, dims: ParallelDims, zero_stage: int
+    trainer: Trainer, module: LightningModule, dims: ParallelDims, zero_stage: int, ep: int = 1
 ) -> None:
     """Refuse (ValueError) what the layout cannot do for this fit's callbacks and module; adapt what it can.
     Called once the model is split, before the first step."""
-    layout = _layout(dims, zero_stage)
-    sharded = dims.tp > 1 or dims.pp > 1 or (dims.dp > 1 and zero_stage >= 2)
+    layout = _layout(dims, zero_stage, ep)
+    sharded = dims.tp > 1 or dims.pp > 1 or ep > 1 or (dims.dp > 1 and zero_stage >= 2)
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
         if isinstance(callback, StochasticWeightAveraging) and sharded:
             raise ValueError(
                 f"StochasticWeightAveraging cannot run under MegaScaleStrategy at {layout}: it averages a whole "
-                "copy of the LightningModule made before the model is split against the split parameters (tensor- "
-                "or ZeRO-2/3 shards, or one pipeline stage's layers). Use tp=1, pp=1 and zero_stage 0 or 1, or keep "
-                "an average of your own over pl_module.parameters() in a callback (an EMA), which every layout runs"
+                "copy of the LightningModule made before the model is split against the split parameters (tensor-, "
+                "expert- or ZeRO-2/3 shards, or one pipeline stage's layers). Use tp=1, pp=1, ep=1 and zero_stage 0 "
+                "or 1, or keep an average of your own over pl_module.parameters() in a callback (an EMA), which "
+                "every layout runs"
             )
         if isinstance(callback, BaseFinetuning) and _breaks_finetuning(module, dims):
             raise ValueError(
                 f"{type(callback).__name__} (BaseFinetuning) cannot unfreeze under MegaScaleStrategy at {layout}: "
                 "its unfreeze_and_add_param_group compares every parameter by value with torch.equal, which fails "
-                "between the tensor-parallel shards (DTensors) and plain parameters this model holds, and deadlocks "
-                "between sharded parameters of pipeline stages. In "
+                "between the tensor- or expert-parallel shards (DTensors) and the plain or otherwise sharded "
+                "parameters this model holds, and deadlocks between sharded parameters of pipeline stages. In "
                 "finetune_function unfreeze by hand instead: `for p in modules.parameters(): p.requires_grad_(True)` "
                 "then `optimizer.add_param_group({'params': [those parameters], 'lr': ...})` (works under every "
-                "layout), or use tp=1 (and, with pp > 1, zero_stage 0 or 1)"
+                "layout), or use tp=1 and ep=1 (and, with pp > 1, zero_stage 0 or 1)"
             )
     readers = gradient_readers(trainer)
     if readers and dims.pp > 1:
@@ -86,7 +89,8 @@ def check_trainer_features(
 
 
 def _breaks_finetuning(module: nn.Module, dims: ParallelDims) -> bool:
-    """DTensor and plain parameters mixed (torch.equal raises), or DTensor parameters under pp (torch.equal on
-    sharded parameters is a collective: the ranks were seen stopping in different ones, a deadlock)."""
-    kinds = {is_dtensor(p) for p in module.parameters()}
-    return kinds == {True, False} or (dims.pp > 1 and True in kinds)
+    """DTensor and plain parameters mixed, or DTensors of several meshes (torch.equal raises on both), or
+    DTensor parameters under pp (torch.equal on sharded parameters is a collective: the ranks were seen
+    stopping in different ones, a deadlock)."""
+    meshes = {p.device_mesh if is_dtensor(p) else None for p in module.parameters()}  # type: ignore[attr-defined]
+    return len(meshes) > 1 or (dims.pp > 1 and meshes != {None})

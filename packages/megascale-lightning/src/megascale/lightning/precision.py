@@ -62,8 +62,9 @@ class _GlobalNormClipping:
                 raise
             first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             raise RuntimeError(
-                "gradients read in on_before_optimizer_step or configure_gradient_clipping are tensor-parallel or "
-                "ZeRO-2/3 shards (DTensors) under MegaScaleStrategy, and the code reading them failed on that "
+                "gradients read in on_before_optimizer_step or configure_gradient_clipping are tensor-parallel, "
+                "expert-parallel or ZeRO-2/3 shards (DTensors) under MegaScaleStrategy, and the code reading them "
+                "failed on that "
                 f"({first}). Lightning's grad_norm and torch.nn.utils.clip_grad_norm_/clip_grad_value_ over "
                 "DTensors and plain tensors together cannot work: log megascale.lightning.grad_norm(self, 2) "
                 "(whole norms under every layout) and clip with Trainer(gradient_clip_val=...) or "

@@ -74,8 +74,10 @@ def _reference(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> t
 
 def _no_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     # still a function of x and the weight, so backward reaches both (with zeros), as it does with rows: an
-    # expert-parallel rank that received no tokens gives its experts a zero gradient like its peers do
-    return x.new_zeros(0, weight.shape[1]) + (x.sum() + weight.sum()) * 0
+    # expert-parallel rank that received no tokens gives its experts a zero gradient like its peers do. Through
+    # F.linear, so that autocast gives it the dtype rows would get: expert-parallel peers exchange these
+    # outputs, and a bf16 peer receiving float32 bytes aborts the all-to-all
+    return F.linear(x, weight[0]) + weight.sum() * 0
 
 
 def _probe(device: torch.device, dtype: torch.dtype, gen: torch.Generator) -> ProbeInputs:

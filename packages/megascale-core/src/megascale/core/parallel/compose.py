@@ -199,6 +199,13 @@ def parallelize(
             "ranks hold the same parameters and must average their gradients too, which that fully_shard does "
             "not do; leave ZeRO to the strategy (zero_stage=2 or 3 shards over dp × cp), or use cp=1"
         )
+    if user_fsdp and plan.ep > 1:
+        raise ValueError(
+            f"the model applied fully_shard itself on the data-parallel mesh, and ep={plan.ep}: expert "
+            "parallelism splits the experts over the ep ranks of that mesh (ranks holding different experts), "
+            "which a sharding over all of it cannot hold; leave ZeRO to the strategy (zero_stage 0-3 shard the "
+            "experts over the ranks holding the same ones), or use ep=1"
+        )
     notes: list[str] = []
     region_check: RegionCheck | None = None
     gpts = [m for m in module.modules() if isinstance(m, GPT)]
@@ -524,8 +531,8 @@ def _expert_replicas(
 
     if plan.zero_stage >= 2:  # the experts are FSDP2 units of their own (shard_experts)
         return ExpertReplicas(dense, None, None)
-    if edp_mesh.size() == 1:
-        return ExpertReplicas(dense, None, None)
+    if edp_mesh.size() == 1:  # nobody else holds these experts; at ZeRO-1 nobody creates their state either
+        return ExpertReplicas(dense, None, None, alone=experts if plan.zero_stage == 1 else ())
     held = apply_zero_to_params(
         experts, edp_mesh, stage=plan.zero_stage, root=root,
         units=[m for t in trees for m in (t.root, *t.layers())], bucket_size_mb=plan.bucket_size_mb,

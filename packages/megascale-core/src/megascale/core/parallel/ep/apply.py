@@ -148,11 +148,15 @@ class ExpertReplicas(ZeroRuntime):
     checkpoint_partial = True  # ep ranks hold different experts
 
     def __init__(
-        self, dense: ZeroRuntime, experts: ZeroRuntime | None, edp_group: dist.ProcessGroup | None
-    ) -> None:
+        self, dense: ZeroRuntime, experts: ZeroRuntime | None, edp_group: dist.ProcessGroup | None,
+        alone: Sequence[nn.Parameter] = (),
+    ) -> None:  # fmt: skip
+        """``alone``: expert parameters no ZeRO runtime takes (no other rank holds them: edp = 1) while the
+        dense ones' optimizer state is sharded; checkpoint loading creates their state here."""
         self.dense, self.experts = dense, experts
         self.stage = dense.stage
         self.edp_group = edp_group
+        self._alone = {id(p) for p in alone}
 
     def _each(self) -> list[ZeroRuntime]:
         return [self.dense] if self.experts is None else [self.dense, self.experts]
@@ -187,6 +191,10 @@ class ExpertReplicas(ZeroRuntime):
     def prepare_optimizer_state(self, optimizer: Optimizer) -> None:
         for runtime in self._each():
             runtime.prepare_optimizer_state(optimizer)
+        if self._alone:  # a loading template must hold their state too: nothing else creates it
+            from megascale.core.parallel.zero.optimizer_state import init_optimizer_state, optimizer_params
+
+            init_optimizer_state(optimizer, [p for p in optimizer_params(optimizer) if id(p) in self._alone])
 
     def holds_all_optimizer_states(self, optimizer: Optimizer) -> bool:
         return all(runtime.holds_all_optimizer_states(optimizer) for runtime in self._each())

@@ -17,7 +17,7 @@ from torch.optim import Optimizer
 from megascale.core._dtensor import local
 from megascale.core.parallel.wait_timer import WaitTimer, untimed
 
-__all__ = ["OptimizerStateSharding", "optimizer_params", "register_unit_waits"]
+__all__ = ["OptimizerStateSharding", "init_optimizer_state", "optimizer_params", "register_unit_waits"]
 
 _MIB = 1024 * 1024
 
@@ -32,6 +32,33 @@ def optimizer_params(optimizer: Optimizer) -> list[Tensor]:
                 seen.add(id(p))
                 out.append(p)
     return out
+
+
+@torch.no_grad()
+def init_optimizer_state(optimizer: Optimizer, params: Iterable[Tensor]) -> None:
+    """Create optimizer state for each of ``params`` that has none yet, and for no other parameter: one step
+    with zero gradients at learning rate 0 over them alone, which changes no parameter (nor, for torch's
+    optimizers and LAMB, any state but the step count of a fresh state, which a following load overwrites).
+    Gradients and learning rates are restored after."""
+    missing = [p for p in params if not optimizer.state.get(p)]
+    if not missing:
+        return
+    everything = optimizer_params(optimizer)
+    grads = {id(p): p.grad for p in everything}
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    try:
+        for p in everything:
+            p.grad = None
+        for p in missing:
+            p.grad = torch.zeros_like(p)
+        for group in optimizer.param_groups:
+            group["lr"] = 0.0
+        optimizer.step()
+    finally:
+        for group, lr in zip(optimizer.param_groups, lrs):
+            group["lr"] = lr
+        for p in everything:
+            p.grad = grads[id(p)]
 
 
 def _local_nbytes(t: Tensor) -> int:
@@ -236,35 +263,15 @@ class OptimizerStateSharding:
             if isinstance(v, Tensor)
         )
 
-    @torch.no_grad()
     def init_owned_state(self) -> None:
         """Create optimizer state for every owned parameter that has none yet, and for no other.
 
         Checkpointing needs it: ``torch.distributed.checkpoint``'s ``get_optimizer_state_dict`` creates
         state for all parameters when the optimizer has none, and a template for loading must hold exactly
-        the states this rank owns. Takes one optimizer step with zero gradients and learning rate 0 over the
-        owned parameters, which changes no parameter (nor, for torch's optimizers and LAMB, any state but
-        the step count of a fresh state, which a following load overwrites).
+        the states this rank owns (``init_optimizer_state``).
         """
         self.refresh()
-        missing = [p for p in self.owned_params() if not self.optimizer.state.get(p)]
-        if not missing:
-            return
-        grads = {id(p): p.grad for p in self.params}
-        lrs = [group["lr"] for group in self.optimizer.param_groups]
-        try:
-            for p in self.params:
-                p.grad = None
-            for p in missing:
-                p.grad = torch.zeros_like(p)
-            for group in self.optimizer.param_groups:
-                group["lr"] = 0.0
-            self.optimizer.step()
-        finally:
-            for group, lr in zip(self.optimizer.param_groups, lrs):
-                group["lr"] = lr
-            for p in self.params:
-                p.grad = grads[id(p)]
+        init_optimizer_state(self.optimizer, self.owned_params())
 
     # ---- the step ---------------------------------------------------------------------------------------
 
