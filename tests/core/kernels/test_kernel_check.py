@@ -286,3 +286,23 @@ def test_a_first_call_inside_activation_checkpointing_is_checked_apart_from_it()
         core(q, k, v).square().sum().backward()
     assert attention.select(CPU).name == "sdpa"
     assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+@pytest.mark.parametrize("sms", [108, 132, 144, 500])  # A100, H100/H200 SXM, GH200, a future GPU
+def test_gpu_probes_run_every_block_loop_of_the_kernels(sms: int) -> None:
+    """On a GPU the probes reach the code paths real shapes take (issue 24): the cross-entropy's vocabulary
+    loop over several full 8192-column blocks and a partial one past the valid columns, and the norms'
+    backward programs each summing several rows, the last fewer."""
+    import math
+
+    from megascale.core.kernels.cross_entropy import probe_sizes as ce_sizes
+    from megascale.core.kernels.rms_norm import probe_sizes as norm_sizes
+
+    block_v = 8192  # kernels/triton/cross_entropy.py's _MAX_BLOCK_V
+    rows, width, vocab = ce_sizes("cuda")
+    assert vocab > 2 * block_v and vocab % block_v and width > vocab
+    rows, width = norm_sizes("cuda")
+    per_program = math.ceil(rows / (2 * sms))  # kernels/triton/_launch.py's reduction_programs
+    assert per_program >= 2 and rows % per_program, (rows, per_program)
+    assert width & (width - 1), "a width short of its power-of-two block (masked columns)"
+    assert ce_sizes("cpu")[2] < 100 and norm_sizes("cpu") == (4, 64)  # the interpreter keeps small probes

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from megascale.core import _optional
 from megascale.core.kernels import triton as _triton
 from megascale.core.kernels.registry import Probe, ProbeInputs, get_kernel
+from megascale.core.kernels.rms_norm import probe_sizes
 
 __all__ = ["layer_norm"]
 
@@ -45,8 +46,9 @@ def _reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 
 def _probe(device: torch.device, dtype: torch.dtype, gen: torch.Generator) -> ProbeInputs:
-    x = torch.randn(4, 64, generator=gen)
-    weight, bias = 1 + 0.1 * torch.randn(64, generator=gen), 0.1 * torch.randn(64, generator=gen)
+    rows, width = probe_sizes(device.type)  # rms_norm's: the same two backward paths
+    x = torch.randn(rows, width, generator=gen)
+    weight, bias = 1 + 0.1 * torch.randn(width, generator=gen), 0.1 * torch.randn(width, generator=gen)
     return (x.to(device, dtype), weight.to(device, dtype), bias.to(device, dtype), 1e-5), {}, (0, 1, 2)
 
 

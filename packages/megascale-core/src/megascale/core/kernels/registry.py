@@ -39,6 +39,7 @@ import contextlib
 import logging
 import os
 import threading
+import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -235,6 +236,7 @@ class Kernel:
         reference = next(b for b in self.backends if b.name == REFERENCE)
         verdict = None
         largest = []
+        start = time.perf_counter()
         with _plain_numerics(device):
             for dtype in self.probe.dtypes(device):
                 rtol, atol = self.probe.tolerance[dtype]
@@ -274,7 +276,7 @@ class Kernel:
             verdict = Verdict(
                 True,
                 f"checked against the torch reference on a {device.type} probe, forward and backward: largest "
-                f"difference {', '.join(largest)}",
+                f"difference {', '.join(largest)} ({time.perf_counter() - start:.2f} s)",
             )
         return verdict
 
