@@ -15,7 +15,11 @@ Prints one markdown table with, on this machine's GPU and torch:
   (6 x (parameters - embedding) + 12 x layers x d_model x seq per token, attention not halved for causal;
   peak 989 TFLOP/s bf16 for H100/H200, 312 for A100);
 - the plan: ``megascale plan``'s predicted step time and memory for that step against the measured ones;
-- Lightning: Trainer + MegaScaleStrategy(zero_stage=0) + GPTModule (bf16-mixed) against the core loop above.
+- Lightning: Trainer + MegaScaleStrategy(zero_stage=0) + GPTModule (bf16-mixed) against the core loop above;
+- then issue 24's targets, each against what the run measured: end-to-end MFU >= 52%, Lightning >= 0.98x the
+  core loop, cross-entropy forward and RMSNorm forward+backward >= 75% of the HBM bandwidth measured here (a
+  device-to-device copy), a window of 1024 >= 0.8x causal's useful rate, windows on every other layer faster
+  per step than none, each kernel's check against the reference < 2 s, the suite <= 8 minutes.
 
 Every part is guarded: an error (or a missing optional package: transformers, flash-attn, lightning) prints
 in its row and the rest still runs; a global time budget (``--budget``, default 480 s) skips what is left once
@@ -103,6 +107,41 @@ class Budget:
         return self.used() + reserve > self.seconds
 
 
+class Targets:
+    """Issue 24's targets, each with what this run measured: (target, goal, measured, met)."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[str, str, str, str]] = []
+
+    def add(self, what: str, goal: str, measured: str, met: bool | None) -> None:
+        self.rows.append((what, goal, measured, {True: "yes", False: "NO", None: "-"}[met]))
+
+    def markdown(self) -> str:
+        out = ["| target | goal | measured | met |", "|---|---|---|---|"]
+        return "\n".join(out + [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in self.rows])
+
+
+TARGETS = Targets()
+
+
+def _hbm_bandwidth(device: torch.device) -> float | None:
+    """Bytes/s of a 2 GiB device-to-device copy (read + write): the bandwidth kernels are held to."""
+    if device.type != "cuda":
+        return None
+    src = torch.empty(2**29, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src)
+    _sync(device)
+    seconds = (time.perf_counter() - start) / 10
+    del src, dst
+    return 2 * 2**31 / seconds
+
+
 class Table:
     def __init__(self) -> None:
         self.rows: list[dict[str, str]] = []
@@ -184,6 +223,7 @@ def part_kernels(table: Table, device: torch.device, sizes: Sizes, smoke: bool, 
             seen.add(name)
             rows = bench.run_case(case, device, compile_ref, sizes.kernel_warmup, sizes.kernel_iters)
             for r in rows:
+                _kernel_target(r, device)
                 # HEADER: kernel shape pass backend fused eager compile f/eager f/compile max|Δ| unit fused eager compile
                 note = f"largest fused-eager difference {r[9]}" if r[9] else ""
                 if not compile_ref:
@@ -194,6 +234,30 @@ def part_kernels(table: Table, device: torch.device, sizes: Sizes, smoke: bool, 
                     vs=f"{r[7]}x eager, {r[8]}x compile", note=note,
                 )  # fmt: skip
             del case
+
+
+_HBM: dict[str, float | None] = {}
+
+
+def _kernel_target(row: list[str], device: torch.device) -> None:
+    """Cross-entropy forward and RMSNorm forward+backward against 75% of the measured HBM bandwidth."""
+    goals = {("cross_entropy", "fwd"): "cross-entropy forward", ("rms_norm", "fwd+bwd"): "RMSNorm fwd+bwd"}
+    what = goals.get((row[0], row[2]))
+    if what is None:
+        return
+    if "hbm" not in _HBM:
+        _HBM["hbm"] = _hbm_bandwidth(device)
+    hbm = _HBM["hbm"]
+    try:
+        rate = float(row[11]) * (1e9 if row[10] == "GB/s" else 1.0)
+    except ValueError:
+        rate = None
+    if hbm is None or rate is None or row[10] != "GB/s":
+        TARGETS.add(f"{what} ({row[3]})", ">= 75% of HBM", "n/a here (no GPU)", None)
+        return
+    share = rate / hbm
+    TARGETS.add(f"{what} ({row[3]}, {row[1]})", f">= 75% of {hbm / 1e12:.2f} TB/s measured",
+                f"{share:.0%} ({rate / 1e12:.2f} TB/s)", share >= 0.75)  # fmt: skip
 
 
 # --- attention ------------------------------------------------------------------------------------------------
@@ -251,6 +315,13 @@ def part_attention(table: Table, device: torch.device, sizes: Sizes, budget: Bud
                 else f"{flops / t_fwd / 1e9:.2f} / {rate * 1e3:.2f} GFLOP/s",
                 vs=ratio,
             )  # fmt: skip
+    windowed = [
+        r["vs"] for r in table.rows if r["part"] == "attention" and "window" in r["case"] and r.get("vs")
+    ]
+    best = max((float(v.split("x")[0]) for v in windowed), default=None)
+    TARGETS.add(f"window {window} at T {T}: useful TFLOP/s vs causal (best backend)", ">= 0.8x",
+                "-" if best is None else f"{best:.2f}x", None if best is None or device.type != "cuda"
+                else best >= 0.8)  # fmt: skip
     sdpa_notes = [
         n for c in (None, "window") for n in attention.observations(device, c) if n.startswith("SDPA ran")
     ]
@@ -370,6 +441,15 @@ def part_train(
             out.setdefault("flops_per_token", fpt)
             del model
 
+    core, windowed = out.get("megascale"), out.get("windows")
+    if core is not None:
+        mfu = core.tokens_per_s * out["flops_per_token"] / peak if peak else None
+        TARGETS.add("end-to-end MFU, megascale GPT (torchtitan's count)", ">= 52%",
+                    "-" if mfu is None else f"{mfu:.1%}", None if mfu is None else mfu >= 0.52)  # fmt: skip
+    if core is not None and windowed is not None:
+        TARGETS.add("windows on every other layer vs none, per step", "faster",
+                    f"{windowed.step_s:.4f} vs {core.step_s:.4f} s",
+                    windowed.step_s < core.step_s if device.type == "cuda" else None)  # fmt: skip
     _fp8_rows(table, device, sizes, smoke, budget, case, peak, out.get("megascale"))
     try:
         import transformers
@@ -563,6 +643,9 @@ def part_lightning(table: Table, device: torch.device, sizes: Sizes, measured: d
     mem = torch.cuda.max_memory_allocated(device) if cuda else None
     core = measured.get("megascale")
     vs = "" if core is None else f"{core.step_s / step_s:.2f}x the core loop's throughput"
+    if core is not None:
+        TARGETS.add("Lightning path vs the core loop", ">= 0.98x", f"{core.step_s / step_s:.2f}x",
+                    core.step_s / step_s >= 0.98 if device.type == "cuda" else None)  # fmt: skip
     table.add(
         "lightning", f"Trainer + MegaScaleStrategy(zero_stage=0), steps {sizes.lightning_warmup}-{steps}",
         "GPTModule, " + ("bf16-mixed" if cuda else "32-true"), time=f"{step_s:.4f} s/step",
@@ -636,7 +719,31 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{', '.join(versions)}; {budget.used():.0f} s of a {args.budget:.0f} s budget; "
           f"{os.cpu_count()} CPUs\n")  # fmt: skip
     print(table.markdown())
+    _probe_targets(device)
+    TARGETS.add("the whole suite", "<= 8 min", f"{budget.used() / 60:.1f} min",
+                budget.used() <= 480 if device.type == "cuda" else None)  # fmt: skip
+    print("\nTargets (issue 24):\n")
+    print(TARGETS.markdown())
     return 0
+
+
+def _probe_targets(device: torch.device) -> None:
+    """Each kernel's check against the reference (run at first use; its verdict says how long it took)."""
+    import re
+
+    from megascale.core.kernels import describe
+
+    took = []
+    for label, detail in describe(device, checks=True).items():
+        found = re.search(r"\((\d+\.\d+) s\)", detail)
+        if found:
+            took.append((float(found[1]), label))
+    if not took:
+        TARGETS.add("each kernel's check vs the reference", "< 2 s", "no check ran", None)
+        return
+    worst, label = max(took)
+    TARGETS.add("each kernel's check vs the reference", "< 2 s", f"{worst:.2f} s at most ({label})",
+                worst < 2.0 if device.type == "cuda" else None)  # fmt: skip
 
 
 if __name__ == "__main__":

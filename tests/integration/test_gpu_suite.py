@@ -18,7 +18,8 @@ def test_smoke_run_fills_every_part_of_the_table() -> None:
         timeout=240,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    rows = [line.split(" | ") for line in done.stdout.splitlines() if line.startswith("| ")]
+    table = done.stdout.split("Targets (issue 24):")[0]
+    rows = [line.split(" | ") for line in table.splitlines() if line.startswith("| ")]
     assert rows[0][0] == "| part", done.stdout
     errors = [r for r in rows if len(r) > 2 and r[2] == "error"]
     assert not errors, f"{errors}\n{done.stderr[-3000:]}"
@@ -33,3 +34,15 @@ def test_smoke_run_fills_every_part_of_the_table() -> None:
     assert "transformers" in text  # measured, or skipped naming why
     assert "x the core loop's throughput" in text  # Lightning against the core loop
     assert "measured/predicted: time " in text  # the plan against the measurement
+    targets = text.split("Targets (issue 24):")[1]  # each of issue 24's targets, with what was measured
+    for target in (
+        "end-to-end MFU",
+        "Lightning path vs the core loop",
+        "cross-entropy forward",
+        "RMSNorm fwd+bwd",
+        "window 8 at T 32",
+        "windows on every other layer",
+        "each kernel's check",
+        "the whole suite",
+    ):
+        assert f"| {target}" in targets, targets
