@@ -33,6 +33,7 @@ import ipaddress
 import json
 import logging
 import os
+import random
 import select
 import socket
 import ssl
@@ -58,6 +59,9 @@ REQUEST = "X-Megascale-Request"  # "<sent> <signature of path, length, sent>": c
 IO_TIMEOUT = 10.0  # seconds a connection has for its TLS handshake, and then for its whole request
 MAX_CONNECTIONS = 512  # connections served at once; more are closed at once
 MAX_PER_PEER = 128  # of them from one address: one client cannot take them all
+# connections waiting to be accepted: every node's agent and ranks may connect in the same few milliseconds
+# (a step boundary, a restart); the kernel drops SYNs beyond it and the client retries only after 1 s
+LISTEN_BACKLOG = 1024
 
 
 def sign(token: str, body: bytes) -> str:
@@ -274,13 +278,14 @@ class _Server(ThreadingHTTPServer):
     connections beyond the caps away."""
 
     daemon_threads = True
-    request_queue_size = 128
+    request_queue_size = LISTEN_BACKLOG
     context: ssl.SSLContext | None
     io_timeout: float
     max_connections: int
     max_per_peer: int
     conn_lock: threading.Lock
     active: dict[str, int]  # peer address -> connections being served
+    serving: int  # their sum, kept as a count: a sum over every peer per connection grows with the nodes
     turned_away: int
     token: str
     refused: int
@@ -294,10 +299,10 @@ class _Server(ThreadingHTTPServer):
     def process_request(self, request: Any, client_address: Any) -> None:
         peer = str(client_address[0])
         with self.conn_lock:
-            full = (sum(self.active.values()) >= self.max_connections
-                    or self.active.get(peer, 0) >= self.max_per_peer)  # fmt: skip
+            full = self.serving >= self.max_connections or self.active.get(peer, 0) >= self.max_per_peer
             if not full:
                 self.active[peer] = self.active.get(peer, 0) + 1
+                self.serving += 1
             else:
                 self.turned_away += 1
         if full:
@@ -316,6 +321,7 @@ class _Server(ThreadingHTTPServer):
     def _release(self, peer: str) -> None:
         with self.conn_lock:
             self.active[peer] -= 1
+            self.serving -= 1
             if not self.active[peer]:
                 del self.active[peer]
 
@@ -415,7 +421,7 @@ class HeartbeatServer:
             self._server.context = context
         self._server.io_timeout, self._server.conn_lock = io_timeout, threading.Lock()
         self._server.max_connections, self._server.max_per_peer = max_connections, max_per_peer
-        self._server.active, self._server.turned_away = {}, 0
+        self._server.active, self._server.serving, self._server.turned_away = {}, 0, 0
         self._server.token, self._server.refused, self._server.latest = token, 0, {}
         self._server.max_age, self._server.seq_lock, self._server.last_seq = max_age, threading.Lock(), {}
         self._server.on_agent = on_agent
@@ -506,6 +512,27 @@ def _numbered(payload: dict[str, Any]) -> bytes:
         return json.dumps(payload).encode()
 
 
+_CONTEXTS: dict[tuple[str | None, int], ssl.SSLContext] = {}
+_CONTEXTS_LOCK = threading.Lock()
+
+
+def _client_context(cafile: str | None) -> ssl.SSLContext:
+    """The TLS context that verifies the driver against ``cafile``, made once per file version: building one
+    reads and parses the CA file, 1-2 ms of CPU that every heartbeat and agent report paid again. A
+    context is safe to share between threads; a replaced CA file (another mtime) gets a fresh one."""
+    try:
+        version = os.stat(cafile).st_mtime_ns if cafile else 0
+    except OSError:
+        version = -1  # let ssl say what is wrong with the file
+    with _CONTEXTS_LOCK:
+        context = _CONTEXTS.get((cafile, version))
+        if context is None:
+            context = ssl.create_default_context(cafile=cafile)
+            _CONTEXTS.clear()  # one CA file per process in practice: no growth on rotation
+            _CONTEXTS[(cafile, version)] = context
+        return context
+
+
 def _send(
     url: str, token: str, path: str, body: bytes, timeout: float, cafile: str | None
 ) -> tuple[bytes, str]:
@@ -515,7 +542,7 @@ def _send(
         headers={SIGNATURE: sign(token, body), REQUEST: f"{sent} {sign_request(token, path, len(body), sent)}",
                  "Content-Type": "application/json"},
     )  # fmt: skip
-    context = ssl.create_default_context(cafile=cafile) if url.startswith("https:") else None
+    context = _client_context(cafile) if url.startswith("https:") else None
     with urllib.request.urlopen(request, timeout=timeout, context=context) as response:
         return response.read(), response.headers.get(SIGNATURE, "")
 
@@ -549,6 +576,14 @@ class HeartbeatSender:
     ``send_now`` sends synchronously (anomalies must reach the driver before the rank dies). Delivery
     failures are logged once and retried with the next beat: a rank never dies because the driver was
     briefly unreachable (the driver notices missing heartbeats instead).
+
+    Every rank of a job starts its sender at about the same moment (after the rendezvous), so the first
+    periodic beat comes at a random point of the first interval: otherwise the whole job's beats would reach
+    the driver as one burst every interval, a connection per rank at once (~4 ms of the driver's CPU each
+    over TLS), and beyond `MAX_CONNECTIONS` ranks the server turns the rest away (benchmarks/ft_scale.py). A
+    beat that is not accepted after one that was is retried once at a random moment within a fifth of the
+    interval, not an interval later; while the driver stays unreachable, the sender keeps to the interval
+    (no faster retries that a restarting driver would meet all at once).
     """
 
     def __init__(
@@ -585,8 +620,10 @@ class HeartbeatSender:
                 return False
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            self.send_now()
+        wait, ok = random.uniform(0.0, self.interval), True
+        while not self._stop.wait(wait):
+            was_ok, ok = ok, self.send_now()
+            wait = random.uniform(0.0, 0.2 * self.interval) if was_ok and not ok else self.interval
 
     def stop(self) -> None:
         self._stop.set()
