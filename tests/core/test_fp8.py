@@ -32,6 +32,7 @@ from megascale.core import GPT, GPTConfig
 from megascale.core.parallel import ParallelPlan, materialize
 from tests._dist import run_distributed
 from tests._models import full_weights
+from tests.core._tiny import TINY_GQA_GPT
 
 # the refusals and the option itself are tested without torchao too
 needs_torchao = pytest.mark.skipif(
@@ -42,16 +43,7 @@ GRAD_TOL = 0.25  # relative, per parameter (see the module docstring)
 LOSS_TOL = 2e-2
 FP8_AT_LEAST = 1e-2  # fp8 gradients differ from float32 ones by more than this: the fp8 path ran
 # every projection's dims (and its tp=2 shard's) multiples of 16: the same ones convert in every layout
-MODEL = dict(
-    vocab_size=60,
-    d_model=64,
-    n_layers=2,
-    n_heads=4,
-    n_kv_heads=2,
-    ffn_multiple_of=32,
-    max_seq_len=16,
-    pad_vocab_to_multiple_of=64,
-)
+MODEL = {**TINY_GQA_GPT, "d_model": 64}
 BATCH, SEQ = 8, 16
 
 
