@@ -177,11 +177,13 @@ def test_the_rendezvous_store_listens_on_its_address_only():
     interface as torch's own TCPStore does whatever host it is given."""
     from megascale.ft.driver import ClusterConfig, _rendezvous_store
 
-    with _rendezvous_store(None, "127.0.0.1") as endpoint:
-        host, port = endpoint.rsplit(":", 1)
-        assert host == "127.0.0.1"
-        socket.create_connection((host, int(port)), timeout=5).close()
-        with pytest.raises(ConnectionRefusedError):  # 127.0.0.2 is this machine too, not the address bound
-            socket.create_connection(("127.0.0.2", int(port)), timeout=5)
+    with _rendezvous_store(None, "127.0.0.1") as stores:
+        for endpoint in (stores.endpoint, stores.fresh()):  # torchrun's store, and a warm attempt's
+            host, port = endpoint.rsplit(":", 1)
+            assert host == "127.0.0.1"
+            socket.create_connection((host, int(port)), timeout=5).close()
+            # 127.0.0.2 is this machine too, not the address bound
+            with pytest.raises(ConnectionRefusedError):
+                socket.create_connection(("127.0.0.2", int(port)), timeout=5)
     with pytest.raises(ValueError, match="refusing to bind the rendezvous store"):
         ClusterConfig(token=TOKEN, rdzv_endpoint="0.0.0.0:29400")

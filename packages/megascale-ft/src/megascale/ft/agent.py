@@ -7,12 +7,19 @@ driver can tell "rank 5's process is gone" on another machine), and the results 
 The driver answers with orders (`megascale.ft.driver`):
 
 - ``wait``: nothing to do (a spare, or between attempts);
-- ``check``: run this node's self-checks (under a node-local torchrun) and report the verdict;
-- ``run``: start torchrun for attempt k as one node of a c10d rendezvous of ``nnodes`` nodes at the
-  driver's store, with the heartbeat settings in the ranks' environment;
+- ``check``: run this node's self-checks (under a node-local torchrun, or in a warm group) and report the
+  verdict; ``recheck: false`` accepts the check a warm spare ran ahead, before the fault;
+- ``run``: start attempt k with the heartbeat settings in the ranks' environment: torchrun as one node of a
+  c10d rendezvous of ``nnodes`` nodes at the driver's store or, ``mode: direct``, the next warm group with
+  the ranks the driver assigned (node ``node_rank``, every rank a client of the attempt's store ``master``);
 - ``stacks``: dump the stacks of the ranks given (hang localisation) and send them;
 - ``stop``: kill this node's process tree of attempt k (SIGKILL; checkpoints are on storage);
 - ``evicted`` / ``done``: stop and exit.
+
+Warm spares (`megascale.ft.warm`, on unless ``warm=False``): the agent keeps ``warm_spares`` warm groups
+waiting beyond the one running (one process per local rank, torch and the script's imports loaded, checked
+ahead), and refills the pool a little after handing one out (`REFILL_DELAY_S`), so a restart starts no
+process. It reports ``warm: true``; the driver runs an attempt in warm groups when every node of it does.
 
 The training command is the agent's own (each node gives it on its command line, as with torchrun): the
 driver never sends code to run. An agent that cannot reach its driver for ``driver_timeout`` seconds stops
@@ -29,7 +36,7 @@ import subprocess
 import threading
 import time
 import urllib.error
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,10 +45,17 @@ from megascale.ft.executor import ENV
 from megascale.ft.heartbeat import exchange
 from megascale.ft.launcher import Rendezvous, _torchrun, run_self_check
 from megascale.ft.stacks import STACKS_ENV, collect_stacks, prune_empty
+from megascale.ft.warm import WarmGroup, rank_env
 
 __all__ = ["AgentConfig", "NodeAgent"]
 
 log = logging.getLogger("megascale.ft")
+
+# a new spare imports torch: not while the attempt that just took one restores and takes its first steps,
+# which it would slow down on a node whose cores are all busy (a fault in these seconds starts a fresh group)
+REFILL_DELAY_S = 5.0
+# warm groups that may be lost in a row; then a pending check fails, and the node goes on without warm spares
+WARM_GROUP_RETRIES = 2
 
 
 @dataclass
@@ -58,6 +72,11 @@ class AgentConfig:
         cafile: what an ``https`` driver's certificate is verified against.
         poll: seconds between two reports.
         driver_timeout: give up (stop the processes, exit) when the driver was unreachable this long.
+        warm: keep warm spares (`megascale.ft.warm`); off: every attempt is a fresh torchrun.
+        warm_spares: warm groups waiting while an attempt runs (one more before the first attempt).
+        warm_imports: modules the spares import ahead besides torch and the script's top-level imports.
+        self_check: whether a spare runs the self-checks ahead (the driver's ``--no-self-check`` off).
+        check_timeout: seconds a spare's self-checks may take.
     """
 
     node: str
@@ -69,6 +88,15 @@ class AgentConfig:
     cafile: str | None = None
     poll: float = 0.25
     driver_timeout: float = 120.0
+    warm: bool = True
+    warm_spares: int = 1
+    warm_imports: list[str] = field(default_factory=list)
+    self_check: bool = True
+    check_timeout: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.warm_spares < 0:
+            raise ValueError(f"warm_spares must be >= 0, got {self.warm_spares}")
 
 
 class NodeAgent:
@@ -90,6 +118,15 @@ class NodeAgent:
         self.stacks: dict[str, str] = {}
         self.stacks_attempt = -1
         self._checking: threading.Thread | None = None
+        self.pool: list[WarmGroup] = []  # warm groups waiting, oldest (the next attempt's) first
+        self.group: WarmGroup | None = None  # the warm group running the attempt
+        self._prechecks: dict[WarmGroup, int] = {}  # a spare's check run ahead -> its id
+        self._pending_check: tuple[int, WarmGroup, int, bool] | None = None  # attempt, group, id, ran ahead
+        self._group_failures = 0  # warm groups lost in a row
+        self._handed_out: float | None = None  # monotonic time a group last started an attempt
+        self._groups = 0
+        self._wake = threading.Event()  # a warm group's verdict came: report it now, not a poll later
+        self.warm = config.warm  # off after warm groups kept dying: then torchrun, as without them
 
     # --- reports ----------------------------------------------------------------------------------
     def _report(self) -> dict[str, Any]:
@@ -103,7 +140,13 @@ class NodeAgent:
             "node": self.config.node, "host": socket.gethostname(), "pid": os.getpid(), "state": self.state,
             "attempt": self.attempt, "code": self.code, "alive": alive,
             "gone": sorted(set(self.known).difference(alive)), "nproc_per_node": self.config.nproc_per_node,
+            "warm": self.warm, "spares": sum(g.ready.is_set() for g in self.pool),
+            # the next attempt's group is ready: the driver starts a warm attempt when every node says so
+            "warm_ready": self.warm and not self._warming() and bool(self.pool) and self.pool[0].ready.is_set(),
         }  # fmt: skip
+        if self.group is not None:
+            report["group"] = {"name": self.group.name, "pid": self.group.pid, "workers": self.group.workers,
+                               "ready_at": self.group.info.get("at")}  # fmt: skip
         if self.check is not None:
             report["self_check"], report["checked_attempt"] = self.check, self.checked_attempt
         if self.stacks_attempt >= 0:
@@ -120,14 +163,9 @@ class NodeAgent:
         )  # fmt: skip
         self.check, self.checked_attempt = result, attempt
 
-    def _start(self, orders: dict[str, Any]) -> None:
+    def _env(self, orders: dict[str, Any]) -> dict[str, str]:
+        """The attempt's environment for the ranks (the agent's, plus what the driver and this node add)."""
         attempt = int(orders["attempt"])
-        rendezvous = Rendezvous(
-            int(orders["nnodes"]),
-            str(orders["endpoint"]),
-            str(orders["run_id"]),
-            float(orders["join_timeout"]),
-        )
         env = dict(os.environ)
         env.update({str(k): str(v) for k, v in orders["env"].items() if str(k).startswith("MEGASCALE_FT_")})
         env.update({
@@ -141,10 +179,154 @@ class NodeAgent:
             env["MEGASCALE_FT_STORAGE"] = self.config.storage
         if self.config.cafile:
             env[ENV["cafile"]] = self.config.cafile
+        if self.config.nproc_per_node > 1 and "OMP_NUM_THREADS" not in env:
+            env["OMP_NUM_THREADS"] = "1"  # as torchrun sets it: ranks sharing a node's cores
+        return env
+
+    def _start(self, orders: dict[str, Any]) -> None:
+        attempt = int(orders["attempt"])
+        env = self._env(orders)
+        self.known, self.code, self.attempt, self.state = {}, None, attempt, "running"
+        if orders.get("mode") == "direct":
+            self._start_warm(orders, env)
+            return
+        rendezvous = Rendezvous(
+            int(orders["nnodes"]),
+            str(orders["endpoint"]),
+            str(orders["run_id"]),
+            float(orders["join_timeout"]),
+        )
         command = _torchrun(self.config.nproc_per_node, self.command, rendezvous)
         log.info("node %s, attempt %d: %s", self.config.node, attempt, shlex.join(command))
-        self.known, self.code, self.attempt, self.state = {}, None, attempt, "running"
         self.process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
+
+    # --- warm spares ------------------------------------------------------------------------------
+    def _new_group(self) -> WarmGroup:
+        env = dict(os.environ)
+        if self.config.nproc_per_node > 1 and "OMP_NUM_THREADS" not in env:
+            env["OMP_NUM_THREADS"] = "1"  # read when torch is imported: before the attempt's env exists
+        self._groups += 1
+        name = f"warm-{self.config.node}-{self._groups}"
+        group = WarmGroup(self.command, self.config.nproc_per_node, env, self.config.warm_imports, name=name,
+                          on_event=self._wake.set)  # fmt: skip
+        log.debug("node %s: warm group %s started (pid %d)", self.config.node, name, group.pid)
+        return group
+
+    def _next_group(self) -> WarmGroup:
+        """The group the next attempt (or check) uses: the oldest in the pool, a new one if none is left."""
+        if not self.pool:
+            self.pool.append(self._new_group())
+        return self.pool[0]
+
+    def _discard(self, group: WarmGroup) -> None:
+        if group in self.pool:
+            self.pool.remove(group)
+        self._prechecks.pop(group, None)
+        group.close()
+
+    def _check_path(self, label: str) -> Path:
+        directory = self.run_dir / f"node-{self.config.node}"
+        directory.mkdir(parents=True, exist_ok=True)
+        return directory / f"selfcheck-{label}.json"
+
+    def _tend_pool(self) -> None:
+        """Drop lost groups, start the next one when the pool is short (one import at a time), and have
+        ready spares check themselves ahead."""
+        for group in [g for g in self.pool if not g.alive()]:
+            log.warning("node %s: warm group %s exited while waiting (code %s); replacing it",
+                        self.config.node, group.name, group.process.returncode)  # fmt: skip
+            self._discard(group)
+            self._group_failures += 1
+        if self._group_failures > WARM_GROUP_RETRIES:
+            log.error("node %s: %d warm groups in a row were lost (see the log above); this node goes on without "
+                      "warm spares (every attempt a fresh torchrun)", self.config.node, self._group_failures)  # fmt: skip
+            self.warm = False
+            for group in list(self.pool):
+                self._discard(group)
+            return
+        if any(g.ready.is_set() for g in self.pool):
+            self._group_failures = 0
+        if self.attempt < 0:  # the first attempt's group and the spares, all at once
+            while len(self.pool) < self.config.warm_spares + 1:
+                self.pool.append(self._new_group())
+        else:  # one at a time; while the attempt that took one runs, a little later (`REFILL_DELAY_S`)
+            running = self.state == "running"
+            importing = any(not g.ready.is_set() for g in self.pool)
+            delayed = (
+                running
+                and self._handed_out is not None
+                and time.monotonic() < self._handed_out + REFILL_DELAY_S
+            )
+            need = self.config.warm_spares if running else max(1, self.config.warm_spares)
+            if len(self.pool) < need and not importing and not delayed:
+                self.pool.append(self._new_group())
+        if self.config.self_check:
+            for group in self.pool:
+                if group.ready.is_set() and group not in self._prechecks:
+                    path = self._check_path(f"spare-{group.name.rpartition('-')[2]}")
+                    self._prechecks[group] = group.check(path, self.config.check_timeout, self.config.storage)
+
+    def _warming(self) -> bool:
+        """Before the first attempt: not every group of the pool is ready and checked yet. The first attempt
+        waits for them, so that a fault at any time finds a spare in place (on a node with many cores the
+        groups import side by side: the wait is short)."""
+        if not self.warm or self.attempt >= 0:
+            return False
+        if len(self.pool) < self.config.warm_spares + 1 or not all(g.ready.is_set() for g in self.pool):
+            return True
+        checking = [g for g in self.pool if g.result(self._prechecks.get(g, -1)) is None]
+        return self.config.self_check and bool(checking)
+
+    def _start_check(self, attempt: int, timeout: float, recheck: bool) -> None:
+        group = self._next_group()
+        ahead = not recheck and group in self._prechecks
+        ident = (
+            self._prechecks[group] if ahead
+            else group.check(self._check_path(str(attempt)), timeout, self.config.storage)
+        )  # fmt: skip
+        self._prechecks[group] = ident  # a check from now counts as run ahead of the next fault too
+        self._pending_check = (attempt, group, ident, ahead)
+        self.state = "checking"
+
+    def _tend_check(self) -> None:
+        if self._pending_check is None:
+            return
+        attempt, group, ident, ahead = self._pending_check
+        result = group.result(ident)
+        if result is None and group.alive():
+            return
+        self._pending_check = None
+        if result is None:  # the group died: a new one checks, a few times at most
+            self._discard(group)
+            self._group_failures += 1
+            if self._group_failures <= WARM_GROUP_RETRIES and self.warm:
+                self._start_check(attempt, self.config.check_timeout, recheck=True)
+                return
+            result = {"ok": False, "report": "", "summary": f"{self._group_failures} warm groups in a row "
+                      "exited before their self-checks finished (see this node's log)"}  # fmt: skip
+        else:
+            self._group_failures = 0
+        self.check = {**result, "ahead": ahead}
+        self.checked_attempt, self.state = attempt, "checked"
+        log.info("node %s: self-checks %s in a warm group (%s)", self.config.node,
+                 "passed" if result["ok"] else "FAILED", "run ahead" if ahead else "now")  # fmt: skip
+
+    def _start_warm(self, orders: dict[str, Any], env: dict[str, str]) -> None:
+        nproc = self.config.nproc_per_node
+        group = self._next_group()
+        self.pool.remove(group)
+        self._prechecks.pop(group, None)
+        ranks = [
+            rank_env(node_rank=int(orders["node_rank"]), nnodes=int(orders["nnodes"]), nproc=nproc,
+                     local_rank=local, master=str(orders["master"]), run_id=str(orders["run_id"]))
+            for local in range(nproc)
+        ]  # fmt: skip
+        group.run(env, ranks)
+        log.info("node %s, attempt %d: warm group %s (pid %d, %s), ranks %s..%s", self.config.node,
+                 self.attempt, group.name, group.pid, "ready" if group.ready.is_set() else "still importing",
+                 ranks[0]["RANK"], ranks[-1]["RANK"])  # fmt: skip
+        self.group, self.process = group, group.process
+        self._handed_out = time.monotonic()
 
     def _stacks_dir(self, attempt: int) -> Path:
         return self.run_dir / f"node-{self.config.node}" / "stacks" / f"attempt-{attempt}"
@@ -163,11 +345,21 @@ class NodeAgent:
             prune_empty(self._stacks_dir(self.attempt))
             if self.state == "running":
                 self.state = "stopped"
+        if self.group is not None:
+            self.group.close()  # its pipes
+            self.group = None
 
     def _obey(self, orders: dict[str, Any]) -> int | None:
         action = orders.get("action", "wait")
         attempt = int(orders.get("attempt", -1))
-        if action == "check" and self.checked_attempt != attempt and self._checking is None:
+        if action in ("check", "run") and self._warming():
+            self.state = "warming"
+            return None
+        busy = self._checking is not None or self._pending_check is not None
+        if action == "check" and self.checked_attempt != attempt and not busy and self.warm:
+            timeout = min(float(orders["collective_timeout"]), float(orders["timeout"]))
+            self._start_check(attempt, timeout, recheck=bool(orders.get("recheck", True)))
+        elif action == "check" and self.checked_attempt != attempt and not busy:
             self.state = "checking"
             self._checking = threading.Thread(
                 target=self._self_check, daemon=True, name="megascale-ft-selfcheck",
@@ -191,6 +383,10 @@ class NodeAgent:
     def _tick(self) -> None:
         if self._checking is not None and not self._checking.is_alive():
             self._checking, self.state = None, "checked"
+        if self._pending_check is not None:
+            self._tend_check()
+        if self.warm:
+            self._tend_pool()
         if self.process is not None and self.state == "running":
             code = self.process.poll()
             if code is not None:
@@ -220,9 +416,14 @@ class NodeAgent:
                         return 4
                     time.sleep(self.config.poll)
                     continue
+                before = (self.state, self.attempt)
                 code = self._obey(orders)
                 if code is not None:
                     return code
-                time.sleep(self.config.poll)
+                if (self.state, self.attempt) == before:  # else: tell the driver now (a stop, a start)
+                    self._wake.wait(self.config.poll)
+                    self._wake.clear()
         finally:
             self._stop()
+            for group in list(self.pool):
+                self._discard(group)

@@ -89,6 +89,14 @@ def _parser() -> argparse.ArgumentParser:
     launch.add_argument("--node-rank", help="this node's name in reports (default: the host name)")
     launch.add_argument("--driver", help="URL of the run's driver (the first node's --host/--port, or "
                         "`megascale-ft driver`); without it this node runs the driver")  # fmt: skip
+    launch.add_argument("--no-warm", action="store_true",
+                        help="multi-node: no warm spares; every attempt is a fresh torchrun (c10d rendezvous)")  # fmt: skip
+    launch.add_argument("--warm-spares", type=int, default=AgentConfig.warm_spares,
+                        help="multi-node: warm groups (one process per local rank, torch and the script's imports "
+                        "loaded, self-checked ahead) waiting on this node while an attempt runs")  # fmt: skip
+    launch.add_argument("--warm-import", default="", metavar="MODULE[,MODULE...]",
+                        help="modules the warm spares import ahead besides torch and the script's top-level "
+                        "imports (never ones that initialise CUDA or start threads: the ranks are forked)")  # fmt: skip
     launch.add_argument("training", nargs=argparse.REMAINDER, metavar="-- COMMAND")
     _env_defaults(launch)
     driver = commands.add_parser(
@@ -156,6 +164,10 @@ def _agent(args: argparse.Namespace, command: list[str], config: LaunchConfig, u
         node=args.node_rank or socket.gethostname(), driver_url=url, token=config.token,
         nproc_per_node=config.nproc_per_node, run_dir=config.run_dir, storage=config.storage,
         cafile=args.tls_ca or args.tls_cert, driver_timeout=config.timeouts.startup_timeout,
+        warm=not args.no_warm, warm_spares=args.warm_spares,
+        warm_imports=[m.strip() for m in args.warm_import.split(",") if m.strip()],
+        self_check=config.self_check,
+        check_timeout=min(config.self_check_timeout, config.timeouts.collective_timeout),
     ))  # fmt: skip
 
 

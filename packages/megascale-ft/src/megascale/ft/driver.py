@@ -121,24 +121,53 @@ class _Verdict:
     acked: set[str] = field(default_factory=set)
 
 
-@contextlib.contextmanager
-def _rendezvous_store(endpoint: str | None, default_host: str) -> Iterator[str]:
-    """A TCP store for torchrun's c10d rendezvous, in a child process for the whole run (torch is
-    imported there, not in the driver).
+class _Stores:
+    """The driver's TCP stores: ``endpoint`` (torchrun's c10d rendezvous, for the whole run) and `fresh`
+    ones, one per warm attempt, which every rank joins as a client (`megascale.ft.warm`)."""
 
-    The store has no authentication, and torch's listens on every interface whatever host it is given: so
-    the socket is bound here, to ``host`` only (loopback by default), and handed to the store."""
+    def __init__(self, process: subprocess.Popen[str], host: str, port: str) -> None:
+        self._process, self._host = process, host
+        self.endpoint = self._address(port)
+
+    def _address(self, port: str) -> str:
+        return f"[{self._host}]:{port}" if ":" in self._host else f"{self._host}:{port}"
+
+    def fresh(self) -> str:
+        """``host:port`` of a new, empty store on the same address (the two before it are kept: their
+        attempt's ranks may still be leaving; older ones are closed)."""
+        assert self._process.stdin is not None and self._process.stdout is not None
+        self._process.stdin.write("new\n")
+        self._process.stdin.flush()
+        line = self._process.stdout.readline().strip()
+        if not line.isdigit():
+            raise RuntimeError(
+                f"the driver's store process could not open a store on {self._host} (see the log)"
+            )
+        return self._address(line)
+
+
+@contextlib.contextmanager
+def _rendezvous_store(endpoint: str | None, default_host: str) -> Iterator[_Stores]:
+    """TCP stores for the rendezvous, in a child process for the whole run (torch is imported there, not in
+    the driver): torchrun's c10d rendezvous store at ``endpoint``, and on request a fresh one per warm attempt.
+
+    A store has no authentication, and torch's listens on every interface whatever host it is given: so
+    each socket is bound here, to ``host`` only (loopback by default), and handed to the store."""
     host, _, port = (endpoint or f"{default_host}:0").rpartition(":")
     host = host.strip("[]")
     code = (
         "import socket, sys, torch.distributed as d\n"
-        "host, port = sys.argv[1], int(sys.argv[2])\n"
-        "sock = socket.socket(socket.AF_INET6 if ':' in host else socket.AF_INET, socket.SOCK_STREAM)\n"
-        "sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
-        "sock.bind((host, port))\nsock.listen(1024)\n"
-        "s = d.TCPStore(host, sock.getsockname()[1], is_master=True, multi_tenant=True, wait_for_workers=False,\n"
-        "               master_listen_fd=sock.fileno(), use_libuv=True)\n"
-        "print(s.port, flush=True)\nsys.stdin.read()\n"
+        "def listen(host, port):\n"
+        "    sock = socket.socket(socket.AF_INET6 if ':' in host else socket.AF_INET, socket.SOCK_STREAM)\n"
+        "    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+        "    sock.bind((host, port))\n    sock.listen(1024)\n"
+        "    return sock, d.TCPStore(host, sock.getsockname()[1], is_master=True, multi_tenant=True,\n"
+        "        wait_for_workers=False, master_listen_fd=sock.fileno(), use_libuv=True)\n"
+        "host = sys.argv[1]\nkept = [listen(host, int(sys.argv[2]))]\n"
+        "print(kept[0][1].port, flush=True)\n"
+        "for line in sys.stdin:\n"
+        "    kept.append(listen(host, 0))\n    del kept[1:-3]\n"
+        "    print(kept[-1][1].port, flush=True)\n"
     )
     process = subprocess.Popen(
         [sys.executable, "-c", code, host, port], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
@@ -148,7 +177,7 @@ def _rendezvous_store(endpoint: str | None, default_host: str) -> Iterator[str]:
         line = process.stdout.readline().strip()
         if not line.isdigit():
             raise RuntimeError(f"the rendezvous store could not listen on {host}:{port} (see the log above)")
-        yield f"[{host}]:{line}" if ":" in host else f"{host}:{line}"
+        yield _Stores(process, host, line)
     finally:
         process.kill()
         process.wait()
@@ -180,6 +209,11 @@ class ClusterDriver:
         self._stepped: dict[int, float] = {}  # rank -> when it first reported a finished step
         self._duplicates: dict[tuple[str, Any, Any], float] = {}
         self._arrivals = itertools.count()
+        # nodes whose warm spares' self-checks from before the next attempt are accepted (None: every node's,
+        # before the first attempt); the previous attempt's members but the node its fault was blamed on
+        self._trusted: set[str] | None = None
+        self._stores: _Stores | None = None
+        self._warm = False  # whether the current attempt runs in warm groups
 
     # --- the agents' side (server threads) ------------------------------------------------------------
     def _on_agent(self, report: dict[str, Any]) -> dict[str, Any]:
@@ -253,8 +287,13 @@ class ClusterDriver:
             live = self._live()
             if c.self_check:
                 waiting = [n for n in live if n not in checks]
-                self._order(waiting, {"action": "check", "attempt": attempt, "timeout": c.self_check_timeout,
-                                      "collective_timeout": c.timeouts.collective_timeout})  # fmt: skip
+                for node in waiting:
+                    # a warm spare's check from before the fault counts for the nodes the fault did not touch;
+                    # the faulted node and nodes new to the run check again (`megascale.ft.warm`)
+                    recheck = self._trusted is not None and node not in self._trusted
+                    self._order([node], {"action": "check", "attempt": attempt, "timeout": c.self_check_timeout,
+                                         "collective_timeout": c.timeouts.collective_timeout,
+                                         "recheck": recheck})  # fmt: skip
                 agents = self._snapshot()
                 for node in waiting:
                     report = agents[node].report
@@ -298,6 +337,28 @@ class ClusterDriver:
         return {"action": "run", "attempt": attempt, "nnodes": nnodes, "endpoint": endpoint,
                 "run_id": f"{self.run_name}-{attempt}", "join_timeout": t.startup_timeout, "env": env}  # fmt: skip
 
+    def _await_warm(self, members: list[str], attempt: int) -> bool:
+        """Whether the attempt runs in warm groups: every member has them (reports ``warm``), and once their
+        next groups are ready (``warm_ready``). The ranks of the nodes ready first would otherwise wait in
+        init_process_group, within the collective timeout, for those still importing (torchrun's rendezvous
+        waits for every node: so does this). False when a member has none, or loses them meanwhile, or within
+        the startup timeout they never got ready (then torchrun), or a member was lost."""
+        deadline = time.monotonic() + self.config.timeouts.startup_timeout
+        while time.monotonic() < deadline:
+            agents = self._snapshot()
+            reports = [agents[n].report for n in members if n in agents]
+            if len(reports) < len(members) or not all(r.get("warm") for r in reports):
+                return False
+            if all(r.get("warm_ready") for r in reports):
+                return True
+            if self._node_fault(members, attempt) is not None:
+                return False
+            time.sleep(POLL_S)
+        log.warning(
+            "attempt %d: warm groups not ready within the startup timeout; starting torchrun", attempt
+        )
+        return False
+
     def _node_fault(self, members: list[str], attempt: int, quiet_since: float | None = None) -> Fault | None:
         """A member whose agent fell silent (for the hang timeout, or since ``quiet_since``: when a peer's
         error is explained by a node that stopped reporting), or whose torchrun exited with an error no rank
@@ -323,8 +384,23 @@ class ClusterDriver:
         c = self.config
         monitor = JobMonitor(len(members) * c.nproc_per_node, c.timeouts, gone=self._gone)
         self.monitor = monitor
-        self._order(members, self._run_orders(attempt, len(members), endpoint))
-        log.info("attempt %d on nodes %s (%d ranks)", attempt, ", ".join(members), monitor.world_size)
+        orders = self._run_orders(attempt, len(members), endpoint)
+        warm = self._stores is not None and self._await_warm(members, attempt)
+        self._warm = warm
+        fault = self._node_fault(members, attempt)
+        if fault is not None:  # a node was lost while the others were getting ready
+            return fault
+        if warm:
+            # every node has a warm group: ranks by the order of the members, every rank a client of a store
+            # of this attempt's own (no torchrun, no c10d rendezvous; `megascale.ft.warm`)
+            assert self._stores is not None
+            orders.update(mode="direct", master=self._stores.fresh())
+            for rank, node in enumerate(members):
+                self._order([node], {**orders, "node_rank": rank})
+        else:
+            self._order(members, orders)
+        log.info("attempt %d on nodes %s (%d ranks%s)", attempt, ", ".join(members), monitor.world_size,
+                 ", warm" if warm else "")  # fmt: skip
         flagged: set[int] = set()
         next_straggler_check = time.monotonic() + STRAGGLER_CHECK_S
         while True:
@@ -333,8 +409,14 @@ class ClusterDriver:
                 flag_stragglers(monitor, flagged, c.straggler_threshold)
             fault = monitor.check()
             if fault is not None and fault.kind == "exception":
-                # a peer may be the cause: give the agents a few reports to say a process is gone
-                time.sleep(max(3 * POLL_S, 2 * c.timeouts.heartbeat_interval))
+                # a peer may be the cause: give the agents a few reports to say a process is gone (and stop
+                # waiting as soon as one did)
+                window = time.monotonic() + max(3 * POLL_S, 2 * c.timeouts.heartbeat_interval)
+                while time.monotonic() < window:
+                    time.sleep(POLL_S)
+                    found = monitor.check()
+                    if found is not None and found.kind != "exception":
+                        break
                 fault = monitor.check() or fault
                 cause = self._node_fault(members, attempt, quiet_since=fault.detected)
                 fault = cause if fault.kind == "exception" and cause is not None else fault
@@ -427,8 +509,9 @@ class ClusterDriver:
             HeartbeatServer(
                 self.token, self._on_heartbeat, c.address, tls=c.tls, on_agent=self._on_agent
             ) as server,
-            _rendezvous_store(c.rdzv_endpoint, server.host) as endpoint,
+            _rendezvous_store(c.rdzv_endpoint, server.host) as stores,
         ):
+            endpoint, self._stores = stores.endpoint, stores
             self._server, self.url = server, server.url
             log.info("driver: heartbeats on %s (token required), rendezvous store on %s; waiting for %d node(s)",
                      server.url, endpoint, c.nnodes)  # fmt: skip
@@ -448,6 +531,7 @@ class ClusterDriver:
                 self._first_beat, self._stepped = None, {}
                 fault = self._attempt(attempt, members, endpoint)
                 stopping = time.time()
+                entry.update(self._attempt_details(members))  # before the trees are stopped
                 self._stop(attempt, members)
                 entry["phases"] = self._phases(started, gathered, stopping, len(members) * c.nproc_per_node)
                 if self.monitor is not None:
@@ -460,6 +544,7 @@ class ClusterDriver:
                     break
                 log.error("attempt %d failed: %s", attempt, fault)
                 self._blame(fault)
+                self._trusted = set(members) - {fault.node} if fault.node is not None else set()
                 reason = failed_the_same_way(signatures, fault, c.repeat_limit)
                 if reason is not None:
                     report.reason = reason
@@ -471,6 +556,17 @@ class ClusterDriver:
         write_report(self.run_dir, report, monitors, c.straggler_threshold)
         print(report.summary(), file=sys.stderr, flush=True)
         return report
+
+    def _attempt_details(self, members: list[str]) -> dict[str, Any]:
+        """For the report: whether the attempt ran in warm groups (and each node's: its supervisor, its
+        workers, when they were ready), and every rank's pid."""
+        details: dict[str, Any] = {
+            "warm": self._warm, "ranks": {str(b.rank): b.pid for b in sorted(self.monitor_beats(), key=lambda b: b.rank)},
+        }  # fmt: skip
+        if self._warm:
+            agents = self._snapshot()
+            details["warm_groups"] = {n: agents[n].report.get("group") for n in members if n in agents}
+        return details
 
     def _phases(
         self, started: float, gathered: float, stopping: float, world: int

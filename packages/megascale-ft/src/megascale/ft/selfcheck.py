@@ -3,7 +3,8 @@
 Scope: `run_self_checks` (collective over a process group) and the `SelfCheckReport` it returns. The
 launcher runs ``python -m megascale.ft.selfcheck --report PATH [--storage URL] [--timeout S]`` under
 torchrun before every start; rank 0 writes the JSON report and the exit code is 0 only when every check on
-every rank passed.
+every rank passed. A node's warm spares (`megascale.ft.warm`) run the same checks through `check_node_local`,
+in processes forked from an interpreter that imported torch already, over a node-local `FileStore`.
 
 Checks, on every rank; each records its own error as a failed `CheckResult` instead of raising:
 
@@ -56,7 +57,15 @@ import torch.distributed as dist
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
-__all__ = ["CHECKS", "INJECT_ENV", "CheckResult", "SelfCheckReport", "load_report", "run_self_checks"]
+__all__ = [
+    "CHECKS",
+    "INJECT_ENV",
+    "CheckResult",
+    "SelfCheckReport",
+    "check_node_local",
+    "load_report",
+    "run_self_checks",
+]
 
 CHECKS = ("matmul", "allreduce", "alltoall", "storage")
 INJECT_ENV = "MEGASCALE_FT_SELFCHECK_INJECT"
@@ -399,20 +408,52 @@ def main(argv: list[str] | None = None) -> int:
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)  # ranks sharing a host's cores oversubscribe badly otherwise
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    init = None
+    if "MASTER_ADDR" in os.environ:
+        init = partial(dist.init_process_group, backend, timeout=timedelta(seconds=args.timeout))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    return _check_rank(
+        rank, world, local_rank, init, Path(args.report), args.storage, args.timeout, args.inject
+    )
+
+
+def check_node_local(
+    rank: int, world: int, store: str, report: str, storage: str | None, timeout: float
+) -> int:
+    """The checks of one of a node's ``world`` ranks in a node-local group over a `FileStore` at ``store``
+    (a fresh path: no socket listens for it), as the warm spares of `megascale.ft.warm` run them; rank 0
+    writes ``report``. The exit code as `main`'s."""
+    torch.set_num_threads(1)
     cuda = torch.cuda.is_available()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
+    timeout_td = timedelta(seconds=timeout)
+
+    def init() -> None:
+        dist.init_process_group(
+            "cpu:gloo,cuda:nccl" if cuda else "gloo", store=dist.FileStore(store, world), rank=rank,
+            world_size=world, timeout=timeout_td,
+        )  # fmt: skip
+
+    return _check_rank(rank, world, rank, init, Path(report), storage, timeout, os.environ.get(INJECT_ENV))
+
+
+def _check_rank(
+    rank: int, world: int, local_rank: int, init: Callable[[], None] | None, path: Path, storage: str | None,
+    timeout: float, inject: str | None,
+) -> int:  # fmt: skip
+    """One rank's checks (``init`` forms the group; None: no group), its results collected on rank 0,
+    which writes the report at ``path`` and prints a summary; the exit code as `main`'s."""
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
     init_error = None
-    if "MASTER_ADDR" in os.environ:
+    if init is not None:
         try:  # CPU tensors (the gather) over gloo, device tensors over NCCL
-            backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
-            dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
+            init()
         except Exception as e:
             init_error = f"process group init failed: {type(e).__name__}: {e}"
-    report = run_self_checks(
-        device=device, storage=args.storage, inject=args.inject, storage_timeout=args.timeout / 2
-    )
+    report = run_self_checks(device=device, storage=storage, inject=inject, storage_timeout=timeout / 2)
     if init_error:
         host = socket.gethostname()
         report.results += [
@@ -421,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
     complete = report.ranks >= set(range(world))
     if dist.is_initialized():
         try:  # a rank stuck in a collective times out, then still probes storage: give it both
-            report = _collect_via_store(report, rank, world, wait_s=1.5 * args.timeout + 5)
+            report = _collect_via_store(report, rank, world, wait_s=1.5 * timeout + 5)
         except Exception as e:
             _log.warning("self-check: collecting results through the store failed: %s", e)
         if complete:  # tearing down a broken group could hang; os._exit follows anyway
@@ -429,7 +470,6 @@ def main(argv: list[str] | None = None) -> int:
     if rank != 0:
         return 0
     report = _mark_missing(report, world)  # also when the group never came up: no store to collect from
-    path = Path(args.report)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text(report.to_json())
