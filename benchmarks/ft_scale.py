@@ -22,7 +22,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -37,18 +36,7 @@ from megascale.ft.config import Timeouts  # noqa: E402 - the repository root on 
 from megascale.ft.heartbeat import Heartbeat  # noqa: E402
 from megascale.ft.launcher import POLL_S  # noqa: E402
 from megascale.ft.monitor import JobMonitor  # noqa: E402
-from tests.ft._sim_agents import run_scenario  # noqa: E402
-
-
-def _certificate(directory: Path) -> tuple[str, str]:
-    """A self-signed RSA-2048 certificate for 127.0.0.1 (what tests/ft and the guide's examples use)."""
-    cert, key = directory / "cert.pem", directory / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
-         "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
-        check=True, capture_output=True,
-    )  # fmt: skip
-    return str(cert), str(key)
+from tests.ft._sim_agents import run_scenario, self_signed_certificate  # noqa: E402
 
 
 def check_cost(ranks: int, seconds: float = 1.0) -> float:
@@ -192,7 +180,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.workdir:
         args.workdir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="ft-scale-", dir=args.workdir) as tmp:
-        tls = None if args.no_tls else _certificate(Path(tmp))
+        tls = None if args.no_tls else self_signed_certificate(Path(tmp))
         plan = [(n, False) for _ in range(args.repeat) for n in args.sizes]
         plan += [(max(args.sizes), True)] if args.lockstep else []
         for i, (nodes, lockstep) in enumerate(plan):

@@ -517,3 +517,15 @@ def run_scenario(
 
 if __name__ == "__main__":
     driver_main(json.loads(sys.argv[1]))
+
+
+def self_signed_certificate(directory: Path) -> tuple[str, str]:
+    """(cert, key) paths of a self-signed RSA-2048 certificate for 127.0.0.1 (what tests/ft, this harness and the
+    guide's examples use), written into ``directory`` by openssl."""
+    cert, key = directory / "cert.pem", directory / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+         "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    return str(cert), str(key)

@@ -277,13 +277,9 @@ def test_a_replayed_or_stale_heartbeat_is_refused_and_logged(server, caplog):
 def _self_signed(tmp_path) -> tuple[str, str]:
     if shutil.which("openssl") is None:
         pytest.skip("openssl is needed to make a test certificate")
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
-         "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
-        check=True, capture_output=True,
-    )  # fmt: skip
-    return str(cert), str(key)
+    from tests.ft._sim_agents import self_signed_certificate
+
+    return self_signed_certificate(tmp_path)
 
 
 def test_heartbeats_over_tls_are_delivered_and_verified(tmp_path):
