@@ -15,6 +15,7 @@
                         draws 50 model shapes per cell instead of 1)
     nox -s typecheck    mypy alone (CI runs it in the integration session, whose environment has everything)
     nox -s demo         the main job: a real training run on the embedded default data
+    nox -s chaos        the chaos soak: the main job's model under megascale-ft with random faults, 30 minutes
     nox -s benchmarks   print each benchmark's figures (slow; not part of CI)
 
 Every session installs torch first through .ci/constraints.txt, which pins the CPU build that lies on disk
@@ -239,6 +240,16 @@ def demo(session: nox.Session) -> None:
         "--", "-m", "megascale.lightning.cli", "fit", "--config", "examples/configs/main_cpu.yaml",
         *session.posargs,
     )  # fmt: skip
+
+
+@nox.session
+def chaos(session: nox.Session) -> None:
+    """The chaos soak (issue 25): the main job's model on 2 loopback nodes x 2 ranks under megascale-ft's
+    launcher, random faults of every kind for 30 minutes, then checked against an uninterrupted run (tens of
+    minutes more; CI runs a short version, tests/integration/test_chaos.py). Arguments go to the soak, e.g.
+    ``nox -s chaos -- --minutes 5 --faults kill-rank,slow``."""
+    _install(session, "packages/megascale-core", *PACKAGES.values())
+    session.run("python", "-m", "tests.integration.chaos", *(session.posargs or ["--minutes", "30"]))
 
 
 @nox.session

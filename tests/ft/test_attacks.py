@@ -73,6 +73,13 @@ def test_idle_slow_and_oversized_connections_do_not_hold_up_heartbeats(tmp_path)
             limit = IO_TIMEOUT + PROMPT
             assert _closed_within(idle, limit) is not None, "an idle connection kept open"
             assert _closed_within(loris, limit) is not None, "a slow-loris connection kept open"
+            # and named for report.json: the idle one never shook hands, the slow one timed out, the
+            # oversized one was refused (counted, as a wrong token is)
+            report = server.connections()
+            whys = sorted(d["why"].split(":")[0] for d in report["dropped"])
+            assert whys == ["Request timed out", "no TLS handshake"], report
+            assert report["dropped_total"] == 2 and report["refused"] == 1, report
+            assert all(d["peer"].startswith("127.0.0.1:") for d in report["dropped"]), report
         finally:
             stop.set()
             for sock in (idle, loris, oversized):

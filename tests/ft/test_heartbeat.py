@@ -190,6 +190,25 @@ def test_a_dead_process_is_blamed_before_the_peer_whose_collective_it_broke():
     assert fault is not None and (fault.kind, fault.rank) == ("dead", 1)
 
 
+def test_a_rank_with_a_cause_of_its_own_is_named_before_the_peer_whose_collective_broke_first():
+    """A node's data reader died: its ranks raise about it, their pipeline peers about the broken connection,
+    and the peers' reports may arrive first. The cause is named, not the consequence; a second cause does not
+    replace the first."""
+    monitor, clock = _monitor()
+    for rank in (0, 1, 2):
+        monitor.on_heartbeat(_beat(rank, 3))
+    clock.now += 0.5
+    broken = "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:37814"
+    monitor.on_heartbeat(_beat(2, 3, status="error", message=broken))
+    monitor.on_heartbeat(
+        _beat(0, 3, status="error", message="DataSourceError: the data reader of node 0 died")
+    )
+    monitor.on_heartbeat(_beat(1, 3, status="error", message="DataSourceError: the data reader died, too"))
+    fault = monitor.check()
+    assert fault is not None and (fault.kind, fault.rank) == ("exception", 0), fault
+    assert "data reader of node 0" in fault.message
+
+
 def test_reported_anomalies_become_faults_with_their_message():
     monitor, clock = _monitor()
     monitor.on_heartbeat(_beat(0, 3))

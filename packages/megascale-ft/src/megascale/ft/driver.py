@@ -203,6 +203,7 @@ class ClusterDriver:
         self.evicted: dict[str, str] = {}
         self.faults: dict[str, list[str]] = {}  # node -> kinds of the faults attributed to it
         self.monitor: JobMonitor | None = None
+        self.stragglers: dict[int, dict[str, Any]] = {}  # rank -> the attempt's straggler record
         self.verdict: _Verdict | None = None
         self._server: HeartbeatServer | None = None
         self._first_beat: float | None = None  # of the current attempt, for the recovery phases
@@ -401,7 +402,7 @@ class ClusterDriver:
             self._order(members, orders)
         log.info("attempt %d on nodes %s (%d ranks%s)", attempt, ", ".join(members), monitor.world_size,
                  ", warm" if warm else "")  # fmt: skip
-        flagged: set[int] = set()
+        flagged = self.stragglers = {}  # this attempt's, for report.json
         next_straggler_check = time.monotonic() + STRAGGLER_CHECK_S
         while True:
             if time.monotonic() > next_straggler_check:
@@ -419,7 +420,10 @@ class ClusterDriver:
                         break
                 fault = monitor.check() or fault
                 cause = self._node_fault(members, attempt, quiet_since=fault.detected)
-                fault = cause if fault.kind == "exception" and cause is not None else fault
+                # a node that fell silent or a process gone explains a peer's error; a torchrun that exited
+                # (code 1) does not: it is that error's own consequence
+                if fault.kind == "exception" and cause is not None and cause.kind != "exit":
+                    fault = cause
             fault = fault or self._node_fault(members, attempt)
             if fault is not None:
                 if fault.kind == "hung":
@@ -538,6 +542,7 @@ class ClusterDriver:
                     monitors.append(self.monitor)
                 entry["seconds"] = time.time() - started
                 entry["fault"] = None if fault is None else fault.to_json()
+                entry["stragglers"] = sorted(self.stragglers.values(), key=lambda s: s["at"])
                 report.attempts.append(entry)
                 if fault is None:
                     report.ok = True
@@ -552,6 +557,7 @@ class ClusterDriver:
             else:
                 report.reason = f"gave up after {c.max_restarts} restarts (--max-restarts)"
             report.evicted = dict(self.evicted)
+            report.connections = server.connections()
             self._finish(report.ok)
         write_report(self.run_dir, report, monitors, c.straggler_threshold)
         print(report.summary(), file=sys.stderr, flush=True)

@@ -59,6 +59,8 @@ REQUEST = "X-Megascale-Request"  # "<sent> <signature of path, length, sent>": c
 IO_TIMEOUT = 10.0  # seconds a connection has for its TLS handshake, and then for its whole request
 MAX_CONNECTIONS = 512  # connections served at once; more are closed at once
 MAX_PER_PEER = 128  # of them from one address: one client cannot take them all
+# connections closed unserved that report.json names one by one (the rest are counted)
+MAX_DROPS_KEPT = 100
 # connections waiting to be accepted: every node's agent and ranks may connect in the same few milliseconds
 # (a step boundary, a restart); the kernel drops SYNs beyond it and the client retries only after 1 s
 LISTEN_BACKLOG = 1024
@@ -268,6 +270,11 @@ class _Handler(BaseHTTPRequestHandler):
             return
         self._reply(200, {str(r): asdict(b) for r, b in self.server.latest.items()})
 
+    def log_error(self, format: str, *args: Any) -> None:
+        # http.server's word for a request that timed out or was malformed (and for the errors it sends)
+        self.server.record_drop(self.client_address, format % args)
+        log.warning("heartbeat server: %s:%s: " + format, *self.client_address[:2], *args)
+
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("heartbeat server: " + format, *args)
 
@@ -287,6 +294,8 @@ class _Server(ThreadingHTTPServer):
     active: dict[str, int]  # peer address -> connections being served
     serving: int  # their sum, kept as a count: a sum over every peer per connection grows with the nodes
     turned_away: int
+    dropped: list[dict[str, Any]]
+    dropped_total: int
     token: str
     refused: int
     max_age: float
@@ -342,6 +351,7 @@ class _Server(ThreadingHTTPServer):
             self._handshake(secure)
         except (OSError, ValueError) as e:  # ssl.SSLError and TimeoutError are OSErrors
             log.warning("heartbeat server: no TLS handshake with %s:%s (%s)", *client_address[:2], e)
+            self.record_drop(client_address, f"no TLS handshake: {e}")
             if secure is not None:  # else the caller closes the plain socket
                 self.shutdown_request(secure)
             return
@@ -366,6 +376,16 @@ class _Server(ThreadingHTTPServer):
             except ssl.SSLWantWriteError:
                 select.select([], [secure], [], left)
         secure.setblocking(True)
+
+    def record_drop(self, client_address: Any, why: str) -> None:
+        """A connection closed without a request served (timed out, no TLS handshake, malformed): counted,
+        and the first `MAX_DROPS_KEPT` kept for report.json (an idle or slow peer is named there)."""
+        with self.conn_lock:
+            self.dropped_total += 1
+            if len(self.dropped) < MAX_DROPS_KEPT:
+                self.dropped.append(
+                    {"peer": f"{client_address[0]}:{client_address[1]}", "why": why, "at": time.time()}
+                )
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         # a peer that vanished mid-request: not the server's error, and no traceback on stderr
@@ -422,6 +442,7 @@ class HeartbeatServer:
         self._server.io_timeout, self._server.conn_lock = io_timeout, threading.Lock()
         self._server.max_connections, self._server.max_per_peer = max_connections, max_per_peer
         self._server.active, self._server.serving, self._server.turned_away = {}, 0, 0
+        self._server.dropped, self._server.dropped_total = [], 0
         self._server.token, self._server.refused, self._server.latest = token, 0, {}
         self._server.max_age, self._server.seq_lock, self._server.last_seq = max_age, threading.Lock(), {}
         self._server.on_agent = on_agent
@@ -469,6 +490,16 @@ class HeartbeatServer:
     def turned_away(self) -> int:
         """Connections closed unheard because too many were open (`max_connections`, `max_per_peer`)."""
         return self._server.turned_away
+
+    def connections(self) -> dict[str, Any]:
+        """For report.json: connections closed unserved (the first few named, with why), turned away for
+        the caps, and requests refused for a wrong token or signature."""
+        with self._server.conn_lock:
+            dropped = list(self._server.dropped)
+        return {
+            "dropped": dropped, "dropped_total": self._server.dropped_total,
+            "turned_away": self.turned_away, "refused": self.refused,
+        }  # fmt: skip
 
     def close(self) -> None:
         self._server.shutdown()

@@ -104,6 +104,8 @@ class RunReport:
     reason: str = ""
     attempts: list[dict[str, Any]] = field(default_factory=list)
     evicted: dict[str, str] = field(default_factory=dict)  # multi-node: node -> why it was evicted
+    # connections to the heartbeat server closed unserved (idle, slow, malformed), turned away, refused
+    connections: dict[str, Any] = field(default_factory=dict)
 
     def summary(self) -> str:
         lines = [f"megascale-ft: {'finished' if self.ok else 'FAILED'} after {len(self.attempts)} attempt(s)"]
@@ -117,8 +119,18 @@ class RunReport:
             lines.append(f"  attempt {a['attempt']}{nodes}: {what}{latency} ({a['seconds']:.1f} s)")
             if fault is not None and fault.get("stacks"):
                 lines.append(f"    stacks: {fault['stacks']['summary']}")
+            for s in a.get("stragglers") or []:
+                where = f" on node {s['node']}" if s.get("node") is not None else ""
+                lines.append(f"    straggler: rank {s['rank']}{where} computed {s['ratio']:.2f}x the median "
+                             f"(flagged at step {s['step']})")  # fmt: skip
         for node, why in self.evicted.items():
             lines.append(f"  node {node} evicted: {why.splitlines()[0]}")
+        c = self.connections
+        if c.get("dropped_total") or c.get("turned_away") or c.get("refused"):
+            peers = sorted({d["peer"].rsplit(":", 1)[0] for d in c.get("dropped", [])})
+            lines.append(f"  heartbeat server: {c.get('dropped_total', 0)} connection(s) closed unserved (idle, "
+                         f"slow or malformed{'; from ' + ', '.join(peers) if peers else ''}), "
+                         f"{c.get('turned_away', 0)} turned away, {c.get('refused', 0)} refused")  # fmt: skip
         if self.reason:
             lines.append(f"  {self.reason}")
         return "\n".join(lines)
@@ -256,6 +268,7 @@ class Launcher:
         self.token = self.config.token or secrets.token_hex(16)
         self.run_dir = Path(self.config.run_dir)
         self.monitor: JobMonitor | None = None
+        self.stragglers: dict[int, dict[str, Any]] = {}  # rank -> the attempt's straggler record
         #: why the first attempt's command line was refused (exit code 2 before any heartbeat), if it was
         self.usage_error: str | None = None
         #: the signal that asked the run to stop (SIGTERM), if one came: no restart after it
@@ -335,7 +348,7 @@ class Launcher:
         self._process = process
         tee = _StderrTee(process.stderr)
         tee.start()
-        flagged: set[int] = set()
+        flagged = self.stragglers = {}  # this attempt's, for report.json
         signalled: set[int] = set()  # ranks sent the stop signal
         next_straggler_check = time.monotonic() + STRAGGLER_CHECK_S
         try:
@@ -435,6 +448,7 @@ class Launcher:
                     monitors.append(self.monitor)
                 entry["seconds"] = time.time() - started
                 entry["fault"] = None if fault is None else fault.to_json()
+                entry["stragglers"] = sorted(self.stragglers.values(), key=lambda s: s["at"])
                 report.attempts.append(entry)
                 if self.stop_signal is not None:  # asked to stop: never a restart
                     report.ok = fault is None
@@ -458,6 +472,7 @@ class Launcher:
                     break
             else:
                 report.reason = f"gave up after {self.config.max_restarts} restarts (--max-restarts)"
+            report.connections = server.connections()
 
 
 def _usage_error(tee: _StderrTee) -> str | None:
@@ -470,13 +485,19 @@ def _usage_error(tee: _StderrTee) -> str | None:
             f"its command line is wrong{said} (fix the arguments after '--')")  # fmt: skip
 
 
-def flag_stragglers(monitor: JobMonitor, flagged: set[int], threshold: float) -> None:
-    """Log the ranks that became stragglers since the last call (``flagged`` holds those already named)."""
+def flag_stragglers(monitor: JobMonitor, flagged: dict[int, dict[str, Any]], threshold: float) -> None:
+    """Log the ranks that became stragglers since the last call and add them to ``flagged`` (rank -> what
+    report.json says of it: when, at which step, how much slower; a rank is named once per attempt)."""
     from megascale.ft.stragglers import find_stragglers
 
+    steps = monitor.last_steps()
     for straggler in find_stragglers(monitor.timings(), threshold=threshold, hosts=monitor.hosts):
         if straggler.rank not in flagged:
-            flagged.add(straggler.rank)
+            flagged[straggler.rank] = {
+                "rank": straggler.rank, "host": straggler.host, "node": monitor.nodes.get(straggler.rank),
+                "step": steps.get(straggler.rank), "at": time.time(), "ratio": round(straggler.ratio, 3),
+                "compute_s": round(straggler.rank_step, 4), "median_compute_s": round(straggler.median_step, 4),
+            }  # fmt: skip
             log.warning("straggler: %s", straggler)
 
 

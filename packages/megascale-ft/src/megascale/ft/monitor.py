@@ -23,6 +23,20 @@ MAX_EVENTS_PER_RANK = 20_000  # sections (a big model's TP waits: thousands per 
 MAX_STEPS_PER_RANK = 5_000  # step events, kept apart: they carry their waits, for the straggler window
 
 
+# what a rank's error says when a peer broke the collective it was in (gloo, NCCL, the store): a consequence
+_PEER_ERRORS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "NCCL",
+    "gloo/transport",
+    "Broken pipe",
+)
+
+
+def _peer_error(message: str) -> bool:
+    return any(marker in message for marker in _PEER_ERRORS)
+
+
 @dataclass(frozen=True)
 class Fault:
     """What went wrong, where, and when it was noticed.
@@ -126,7 +140,12 @@ class JobMonitor:
                 ):  # fmt: skip
                     kept.extend(events)
                     del kept[:-bound]
-            if beat.status in ("error", "nan") and self._anomaly is None:
+            # the first anomaly is kept, unless it is a peer's broken collective and a rank now reports a
+            # cause of its own (a data reader that died, a NaN): the broken collective is its consequence
+            replace = self._anomaly is None or (
+                _peer_error(self._anomaly.message) and not _peer_error(beat.message)
+            )
+            if beat.status in ("error", "nan") and replace:
                 kind = "exception" if beat.status == "error" else "nan"
                 since = prev.seen if prev is not None else self.started
                 self._anomaly = Fault(kind, beat.rank, beat.host, beat.message, now, since, node=beat.node)
@@ -146,6 +165,12 @@ class JobMonitor:
         with self._lock:
             ranks = self.steps.keys() | self.events.keys()
             return {r: [*self.steps.get(r, []), *self.events.get(r, [])] for r in ranks}
+
+    @property
+    def nodes(self) -> dict[int, str | None]:
+        """Each rank's node name (multi-node runs; None under the one-node launcher)."""
+        with self._lock:
+            return {rank: r.beat.node for rank, r in self._ranks.items()}
 
     def last_steps(self) -> dict[int, int]:
         with self._lock:
