@@ -178,6 +178,31 @@ def test_startup_may_take_longer_than_a_step_but_not_forever():
     assert fault is not None and (fault.kind, fault.rank) == ("hung", 0) and "step -1" in fault.message
 
 
+def test_after_its_last_step_a_rank_may_work_without_progress_until_the_startup_timeout():
+    """A final checkpoint's commit or a sample at the end of training has no steps: a rank that reported
+    "finishing" is given startup_timeout (20 s here), not hang_timeout (5 s); it is still hung after that,
+    and dead when its process is gone."""
+    monitor, clock = _monitor(world=2)
+    for rank in (0, 1):
+        monitor.on_heartbeat(_beat(rank, 9))
+    for rank in (0, 1):
+        monitor.on_heartbeat(_beat(rank, 9, status="finishing"))
+    clock.now += 15
+    for rank in (0, 1):
+        monitor.on_heartbeat(_beat(rank, 9, status="finishing"))
+    assert monitor.check() is None
+    clock.now += 6
+    monitor.on_heartbeat(_beat(0, 9, status="finished"))
+    monitor.on_heartbeat(_beat(1, 9, status="finishing"))
+    fault = monitor.check()
+    assert fault is not None and (fault.kind, fault.rank) == ("hung", 1) and "limit 20" in fault.message
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    monitor.on_heartbeat(_beat(1, 9, status="finishing", pid=gone.pid))
+    fault = monitor.check()
+    assert fault is not None and (fault.kind, fault.rank) == ("dead", 1)
+
+
 def test_a_dead_process_is_blamed_before_the_peer_whose_collective_it_broke():
     monitor, clock = _monitor()
     gone = subprocess.Popen([sys.executable, "-c", "pass"])

@@ -171,6 +171,11 @@ class Executor:
         where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
         self._report("error", f"{type(error).__name__}: {error}{where}")
 
+    def finishing(self) -> None:
+        """The last training step is done: what follows (the final checkpoint's commit, a sample, teardown)
+        may take longer than the hang timeout without progress; the driver allows it ``startup_timeout``."""
+        self._report("finishing", "")
+
     def finish(self) -> None:
         """Report a clean end and stop the heartbeats."""
         self._report("finished", "")

@@ -102,8 +102,9 @@ class Heartbeat:
     ``progress`` counts work that is not a training step (validation batches, a long checkpoint load): the
     driver counts a change of ``step`` or ``progress`` as progress.
 
-    ``status`` is "running", "finished", "error" (an exception; ``message`` says which) or "nan" (a
-    non-finite loss). ``events`` are the timing events since the previous heartbeat (see
+    ``status`` is "running", "finishing" (the last step is done: the final commit, a sample, teardown; given
+    the startup timeout), "finished", "error" (an exception; ``message`` says which) or "nan" (a non-finite
+    loss). ``events`` are the timing events since the previous heartbeat (see
     `megascale.ft.timing.StepTimer.drain`).
     """
 

@@ -311,6 +311,9 @@ class FaultTolerance(Callback):
         stops = any(getattr(cb, "stop_step", None) == trainer.global_step for cb in callbacks)
         if trainer.global_step % self.every_n_steps == 0 or stops:
             self._capture = (trainer.global_step, _lightning_state(trainer))
+        if stops or trainer.should_stop or 0 < trainer.max_steps <= trainer.global_step:
+            # the last step: the final commit, other callbacks' end (a sample) and teardown follow, without steps
+            self.executor.finishing()
 
     def _snapshot(self, trainer: Trainer) -> None:
         """Stage 1 of the captured checkpoint, with this moment's weights and RNG states; stage 2 runs on."""
@@ -338,6 +341,8 @@ class FaultTolerance(Callback):
     # --- ends -----------------------------------------------------------------------------------------------
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._close_step()
+        if self.executor is not None:
+            self.executor.finishing()  # also when the run ends by epochs
         if self._capture is not None:  # the last step was a checkpoint step: no next batch will come
             self._snapshot(trainer)
         if self.checkpointer is not None:

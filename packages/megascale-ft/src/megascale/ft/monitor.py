@@ -37,6 +37,13 @@ def _peer_error(message: str) -> bool:
     return any(marker in message for marker in _PEER_ERRORS)
 
 
+def _progress_limit(r: _Rank, t: Timeouts) -> float:
+    """How long a rank may go without progress: ``hang_timeout`` between steps; ``startup_timeout`` before
+    its first step (loading, restoring) and after its last ("finishing": the final checkpoint's commit, a
+    sample, teardown), where work of unknown length runs without steps."""
+    return t.hang_timeout if r.first_step_done and r.beat.status != "finishing" else t.startup_timeout
+
+
 @dataclass(frozen=True)
 class Fault:
     """What went wrong, where, and when it was noticed.
@@ -201,11 +208,12 @@ class JobMonitor:
             present += 0 <= rank < self.world_size
             if r.beat.status == "finished":
                 continue
-            if r.beat.status == "running" and (gone is None or rank < gone[0]) and self._gone(r.beat):
+            alive = r.beat.status in ("running", "finishing")
+            if alive and (gone is None or rank < gone[0]) and self._gone(r.beat):
                 gone = rank, r
             if now - r.seen > t.hang_timeout and (silent is None or rank < silent[0]):
                 silent = rank, r
-            limit = t.hang_timeout if r.first_step_done else t.startup_timeout
+            limit = _progress_limit(r, t)
             if now - r.progressed > limit and (stalled is None or rank < stalled[0]):
                 stalled = rank, r
         if gone is not None:
@@ -225,7 +233,7 @@ class JobMonitor:
                 return Fault("hung", missing[0], "?", message, now, self.started)
         if stalled is not None:
             rank, r = stalled
-            limit = t.hang_timeout if r.first_step_done else t.startup_timeout
+            limit = _progress_limit(r, t)
             message = f"step {r.beat.step} (progress {r.beat.progress}) has not advanced for {now - r.progressed:.1f} s (limit {limit} s)"
             return Fault("hung", rank, r.beat.host, message, now, r.progressed, node=r.beat.node)
         return None

@@ -1,8 +1,8 @@
 """A chaos soak of megascale-ft (issue 25 item 3): the main job's model trained by two loopback "nodes" under
 ``megascale-ft launch --nnodes 2`` while random faults hit it, then checked against an uninterrupted run.
 
-    python -m tests.integration.chaos --minutes 30 --seed 1        # what `nox -s chaos` runs; the figures go to stdout
-    python -m tests.integration.chaos --faults kill-rank,corrupt-checkpoint --minutes 3
+    python benchmarks/chaos.py --minutes 30 --steps 900 --alongside   # what `nox -s chaos` runs; JSON on stdout
+    python benchmarks/chaos.py --faults kill-rank,corrupt-checkpoint --minutes 3
 
 The job is examples/configs/main_cpu.yaml (a GPT of parallel attention ∥ MLP blocks, sliding windows, LAMB;
 tp2 × pp2 on 4 ranks; megascale-data's node reader on the stdlib shards; FaultTolerance's two-stage
@@ -52,7 +52,7 @@ from typing import Any
 
 from megascale.ft._procs import descendants, kill_tree, pid_alive
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "examples" / "configs" / "main_cpu.yaml"
 TOKEN = "chaos-soak-token-0123456789abcdef"
 FAULTS = ("kill-rank", "kill-node", "kill-agent", "sigstop", "slow", "kill-persist", "corrupt-checkpoint",
@@ -79,6 +79,8 @@ class SoakConfig:
     pause: tuple[float, float] = (5.0, 20.0)  # seconds of steady training before each fault
     slow_seconds: float = 30.0
     reference: bool = True  # run the uninterrupted reference (else only the soak's own checks)
+    hang_timeout: float = HANG  # the launcher's; a soak on a machine busy with other work needs more
+    alongside: bool = False  # run the reference at the same time as the soak (else before it)
     rounds: int = 0  # stop injecting after this many rounds of every kind (0: only the minutes bound it)
 
 
@@ -149,8 +151,8 @@ def _override(tmp: Path, shards: Any, steps: int, every: int) -> Path:
 class Cluster:
     """Two launcher processes playing nodes "0" (with the driver) and "1"."""
 
-    def __init__(self, tmp: Path, override: Path) -> None:
-        self.tmp, self.override = tmp, override
+    def __init__(self, tmp: Path, override: Path, hang_timeout: float = HANG) -> None:
+        self.tmp, self.override, self.hang_timeout = tmp, override, hang_timeout
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.nodes: dict[str, subprocess.Popen] = {}
@@ -160,8 +162,8 @@ class Cluster:
     def start(self, node: str) -> None:
         command = [
             sys.executable, "-m", "megascale.ft.cli", "launch", "--nnodes=2", "--nproc-per-node=2",
-            f"--node-rank={node}", f"--heartbeat-interval={HEARTBEAT}", f"--hang-timeout={HANG}",
-            f"--collective-timeout={COLLECTIVE}", "--max-restarts=1000", "--repeat-limit=1000",
+            f"--node-rank={node}", f"--heartbeat-interval={HEARTBEAT}", f"--hang-timeout={self.hang_timeout}",
+            f"--collective-timeout={COLLECTIVE * self.hang_timeout / HANG}", "--max-restarts=1000", "--repeat-limit=1000",
             "--evict-after=1000", "--node-timeout=60", "--straggler-threshold=1.5", "--no-self-check",
             f"--run-dir={self.tmp / ('run' if node == '0' else f'run-{node}-{len(self.logs)}')}",
             *([f"--port={self.port}"] if node == "0" else [f"--driver={self.url}"]),
@@ -429,10 +431,12 @@ def _cmdline(pid: int) -> bytes:
 
 
 # --- running and checking --------------------------------------------------------------------------------
-def run_job(tmp: Path, shards: Any, steps: int, every: int, config: SoakConfig | None) -> dict[str, Any]:
+def run_job(
+    tmp: Path, shards: Any, steps: int, every: int, config: SoakConfig | None, hang: float = HANG
+) -> dict[str, Any]:
     """One run of the job under two launchers; with ``config``, under the monkey. What happened, as a dict."""
     tmp.mkdir(parents=True, exist_ok=True)
-    cluster = Cluster(tmp, _override(tmp, shards, steps, every))
+    cluster = Cluster(tmp, _override(tmp, shards, steps, every), hang)
     cluster.start("0")
     time.sleep(0.5)  # the driver's node first
     cluster.start("1")
@@ -572,8 +576,21 @@ def soak(tmp: Path, config: SoakConfig) -> dict[str, Any]:
     steps = config.steps
     if steps <= 0:  # as many as the minutes hold at a first estimate of 1.6 s a step on 2 cores (see README)
         steps = max(config.every * 4, int(60 * config.minutes / 1.6) // config.every * config.every)
-    reference = run_job(tmp / "reference", shards, steps, config.every, None) if config.reference else None
-    run = run_job(tmp / "soak", shards, steps, config.every, config)
+    hang, reference = config.hang_timeout, None
+    if config.reference and not config.alongside:
+        reference = run_job(tmp / "reference", shards, steps, config.every, None, hang)
+    elif config.reference:  # at the same time, on the same cores: the soak runs on a busier machine
+        done: dict[str, Any] = {}
+        thread = threading.Thread(
+            target=lambda: done.update(run_job(tmp / "reference", shards, steps, config.every, None, hang))
+        )
+        thread.start()
+    run = run_job(tmp / "soak", shards, steps, config.every, config, hang)
+    if config.reference and config.alongside:
+        thread.join()
+        if not done:
+            raise RuntimeError("the uninterrupted run alongside failed (see its logs)")
+        reference = done
     problems = check(run)
     if reference is not None:
         if not reference["report"]["ok"]:
@@ -611,10 +628,20 @@ def main() -> None:
         "--steps", type=int, default=0, help="the job's length (default: what the minutes hold)"
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--hang-timeout", type=float, default=HANG, help="the launcher's (s; more on a busy machine)"
+    )
     parser.add_argument("--faults", default=",".join(FAULTS), help=f"comma-separated, of {', '.join(FAULTS)}")
     parser.add_argument(
         "--no-reference", action="store_true", help="skip the uninterrupted run (no bitwise check)"
     )
+    parser.add_argument("--alongside", action="store_true", help="run the uninterrupted run at the same time")
+    parser.add_argument("--pause", default="5,20", help="seconds of steady training before a fault: MIN,MAX")
+    parser.add_argument(
+        "--rounds", type=int, default=0, help="stop injecting after this many rounds of every kind"
+    )
+    parser.add_argument("--every", type=int, default=10, help="checkpoint every this many steps")
+    parser.add_argument("--json", type=Path, help="also write the result here")
     parser.add_argument("--dir", type=Path, help="keep everything here (default: a temporary directory)")
     args = parser.parse_args()
     faults = tuple(f for f in args.faults.split(",") if f)
@@ -622,12 +649,16 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown fault kind(s) {sorted(unknown)}; choose from {', '.join(FAULTS)}")
     config = SoakConfig(minutes=args.minutes, steps=args.steps, faults=faults, seed=args.seed,
-                        reference=not args.no_reference)  # fmt: skip
+                        hang_timeout=args.hang_timeout, reference=not args.no_reference,
+                        alongside=args.alongside, rounds=args.rounds, every=args.every,
+                        pause=tuple(float(v) for v in args.pause.split(",")))  # type: ignore[arg-type]  # fmt: skip
     import tempfile
 
     with tempfile.TemporaryDirectory() as scratch:
         result = soak(args.dir or Path(scratch), config)
     print(json.dumps(result, indent=2))
+    if args.json is not None:
+        args.json.write_text(json.dumps(result))
     raise SystemExit(1 if result["problems"] else 0)
 
 
