@@ -249,7 +249,7 @@ def chaos(session: nox.Session) -> None:
     uninterrupted run of the same steps (run alongside). CI runs a short version (tests/integration/
     test_chaos.py). Arguments replace the defaults, e.g. ``nox -s chaos -- --minutes 5 --faults kill-rank,slow``."""
     _install(session, "packages/megascale-core", *PACKAGES.values())
-    default = ["--minutes", "30", "--steps", "900", "--alongside"]
+    default = ["--minutes", "30", "--steps", "1400", "--alongside", "--hang-timeout", "10"]
     session.run("python", "benchmarks/chaos.py", *(session.posargs or default))
 
 

@@ -1,7 +1,7 @@
 """A chaos soak of megascale-ft (issue 25 item 3): the main job's model trained by two loopback "nodes" under
 ``megascale-ft launch --nnodes 2`` while random faults hit it, then checked against an uninterrupted run.
 
-    python benchmarks/chaos.py --minutes 30 --steps 900 --alongside   # what `nox -s chaos` runs; JSON on stdout
+    python benchmarks/chaos.py --minutes 30 --steps 1400 --alongside --hang-timeout 10   # `nox -s chaos`
     python benchmarks/chaos.py --faults kill-rank,corrupt-checkpoint --minutes 3
 
 The job is examples/configs/main_cpu.yaml (a GPT of parallel attention ∥ MLP blocks, sliding windows, LAMB;
@@ -15,7 +15,7 @@ one fault, taking the kinds in shuffled rounds so that each occurs:
 - ``kill-agent``: SIGKILL of node 1's ``megascale-ft launch`` and everything below it (the machine is gone);
   a replacement launcher for node 1 starts 2 s later, as a scheduler would start one;
 - ``sigstop``: SIGSTOP of one rank (a hang);
-- ``slow``: one rank stopped 2/3 of the time for ``--slow-seconds`` (SIGSTOP/SIGCONT; a throttled host);
+- ``slow``: one rank stopped 2/3 of the time (SIGSTOP/SIGCONT; a throttled host) for 24 of its steps;
 - ``kill-persist``: SIGKILL of one rank while a checkpoint is being written (its directory exists, its
   manifest does not);
 - ``corrupt-checkpoint``: a byte flipped in the newest committed checkpoint, then SIGKILL of a rank: the
@@ -64,6 +64,7 @@ EXPECTED = {  # fault injected -> the kind report.json must give it
     "corrupt-checkpoint": "dead", "kill-reader": "exception",
 }  # fmt: skip
 HEARTBEAT, HANG, COLLECTIVE = 0.5, 6.0, 20.0
+SLOW_STEPS = 24  # a slowed rank's slow steps: most of the straggler window (megascale.ft.stragglers, 20)
 IO_TIMEOUT = 10.0  # the driver's (megascale.ft.heartbeat.IO_TIMEOUT): an idle connection is closed after it
 
 
@@ -76,8 +77,8 @@ class SoakConfig:
     every: int = 10  # checkpoint every this many steps
     faults: tuple[str, ...] = FAULTS
     seed: int = 0
-    pause: tuple[float, float] = (5.0, 20.0)  # seconds of steady training before each fault
-    slow_seconds: float = 30.0
+    pause: tuple[float, float] = (20.0, 60.0)  # seconds of steady training before each fault
+    slow_seconds: float = 180.0  # at most; a slowed rank is released after SLOW_STEPS of its steps
     reference: bool = True  # run the uninterrupted reference (else only the soak's own checks)
     hang_timeout: float = HANG  # the launcher's; a soak on a machine busy with other work needs more
     alongside: bool = False  # run the reference at the same time as the soak (else before it)
@@ -339,20 +340,28 @@ class Monkey:
         return self._record("sigstop", beats, rank, beat["node"])
 
     def _slow(self, beats: dict[int, dict[str, Any]]) -> Injected:
+        """Stopped 2/3 of the time for ``SLOW_STEPS`` of its steps (the straggler window's 20: fewer slow steps
+        than half of it leave the window's median fast; a time bound would give fewer on a busy machine)."""
         rank, beat = self._rank(beats)
-        pid, end = beat["pid"], time.monotonic() + self.config.slow_seconds
+        record = self._record("slow", beats, rank, beat["node"])
+        pid, first, cycles = beat["pid"], beat["step"], 0
+        end = time.monotonic() + self.config.slow_seconds
         while time.monotonic() < end and pid_alive(pid):
             try:
                 os.kill(pid, signal.SIGSTOP)
                 time.sleep(0.2)
                 os.kill(pid, signal.SIGCONT)
-                self.commits.poll()
                 time.sleep(0.1)
             except ProcessLookupError:
                 break
-        return self._record(
-            "slow", beats, rank, beat["node"], f"(stopped 2/3 of {self.config.slow_seconds:.0f} s)"
-        )
+            cycles += 1
+            if cycles % 5 == 0:
+                self.commits.poll()
+                now = self.cluster.status().get(rank)
+                if now is None or now["pid"] != pid or now["step"] >= first + SLOW_STEPS:
+                    break
+        record.detail = f"(stopped 2/3 of the time for {cycles * 0.3:.0f} s)"
+        return record
 
     def _kill_persist(self, beats: dict[int, dict[str, Any]]) -> Injected | None:
         rank, beat = self._rank(beats)
@@ -636,7 +645,7 @@ def main() -> None:
         "--no-reference", action="store_true", help="skip the uninterrupted run (no bitwise check)"
     )
     parser.add_argument("--alongside", action="store_true", help="run the uninterrupted run at the same time")
-    parser.add_argument("--pause", default="5,20", help="seconds of steady training before a fault: MIN,MAX")
+    parser.add_argument("--pause", default="20,60", help="seconds of steady training before a fault: MIN,MAX")
     parser.add_argument(
         "--rounds", type=int, default=0, help="stop injecting after this many rounds of every kind"
     )

@@ -134,6 +134,23 @@ def test_a_rank_that_stops_beating_is_hung_and_named_before_its_waiting_peer():
     assert fault.latency == pytest.approx(6.0)
 
 
+def test_a_frozen_rank_is_named_even_when_its_waiting_peer_stalled_first():
+    """Seen in the chaos soak: the peer's last step ended a while before the frozen rank's last heartbeat, so
+    the peer's stall passes hang_timeout first. The rank whose heartbeats stopped is named, not the peer."""
+    monitor, clock = _monitor()
+    monitor.on_heartbeat(_beat(0, 2))  # rank 0's last progress: t=0
+    monitor.on_heartbeat(_beat(1, 2))
+    clock.now += 1  # rank 1 computes its step on, beating; rank 0 waits for it (no progress)
+    monitor.on_heartbeat(_beat(0, 2))
+    monitor.on_heartbeat(_beat(1, 2))
+    for _ in range(5):  # rank 1 is frozen at t=1: silent, but not yet beyond hang_timeout (5 s)
+        clock.now += 1
+        monitor.on_heartbeat(_beat(0, 2))
+    fault = monitor.check()  # t=6: rank 0 stalled 6 s > 5 s; rank 1 silent 5 s, 5 heartbeat intervals
+    assert fault is not None and (fault.kind, fault.rank) == ("hung", 1), fault
+    assert "no heartbeat" in fault.message and fault.latency == pytest.approx(5.0)
+
+
 def test_a_rank_that_beats_without_progress_is_hung():
     monitor, clock = _monitor(world=1)
     monitor.on_heartbeat(_beat(0, 4))

@@ -20,6 +20,9 @@ from megascale.ft.heartbeat import Heartbeat
 __all__ = ["Fault", "JobMonitor", "pid_alive"]
 
 MAX_EVENTS_PER_RANK = 20_000  # sections (a big model's TP waits: thousands per step), the newest kept
+# a rank this many heartbeat intervals without a heartbeat has stopped beating (not merely a late one): a
+# stall is blamed on it
+QUIET_BEATS = 4
 MAX_STEPS_PER_RANK = 5_000  # step events, kept apart: they carry their waits, for the straggler window
 
 
@@ -203,6 +206,7 @@ class JobMonitor:
         gone: tuple[int, _Rank] | None = None
         silent: tuple[int, _Rank] | None = None
         stalled: tuple[int, _Rank] | None = None
+        quiet: tuple[int, _Rank] | None = None  # the longest without a heartbeat (its beats have stopped)
         present = 0  # ranks of this world heard from: the missing ones are listed only when some are
         for rank, r in ranks.items():
             present += 0 <= rank < self.world_size
@@ -213,6 +217,10 @@ class JobMonitor:
                 gone = rank, r
             if now - r.seen > t.hang_timeout and (silent is None or rank < silent[0]):
                 silent = rank, r
+            if now - r.seen > QUIET_BEATS * t.heartbeat_interval and (
+                quiet is None or r.seen < quiet[1].seen
+            ):
+                quiet = rank, r
             limit = _progress_limit(r, t)
             if now - r.progressed > limit and (stalled is None or rank < stalled[0]):
                 stalled = rank, r
@@ -231,6 +239,14 @@ class JobMonitor:
             if missing:
                 message = f"never sent a heartbeat within startup_timeout {t.startup_timeout} s"
                 return Fault("hung", missing[0], "?", message, now, self.started)
+        if stalled is not None and quiet is not None:
+            # the peers stalled first (their last step ended before the frozen rank's last heartbeat), but a
+            # rank whose heartbeats stopped is what they wait for: its heartbeat thread runs apart from its
+            # training, so only a frozen or vanished process falls quiet
+            rank, r = quiet
+            message = (f"no heartbeat for {now - r.seen:.1f} s while its peers' steps stalled (rank {stalled[0]} "
+                       f"for {now - stalled[1].progressed:.1f} s): frozen, or cut off")  # fmt: skip
+            return Fault("hung", rank, r.beat.host, message, now, r.seen, node=r.beat.node)
         if stalled is not None:
             rank, r = stalled
             limit = _progress_limit(r, t)
