@@ -74,7 +74,26 @@ def run_ranks(
     main: str, args: list[str], world_size: int, logs: list[Path], timeout: float
 ) -> list[int | None]:
     """Run ``main`` ("module:function", called with ``args``) on ``world_size`` forked ranks, rank r's output
-    to ``logs[r]``; return the exit codes (None: killed at the timeout)."""
+    to ``logs[r]``; return the exit codes (None: killed at the timeout).
+
+    The master port is free when chosen, but another test's process may take it before rank 0 listens on it
+    (EADDRINUSE, seen once in a CI run of two lanes): then the ranks are run again on a new port, twice at most.
+    """
+    for _ in range(2):
+        codes = _run_ranks_once(main, args, world_size, logs, timeout)
+        if codes == [0] * world_size or not _port_taken(logs[0]):
+            return codes
+    return _run_ranks_once(main, args, world_size, logs, timeout)
+
+
+def _port_taken(log: Path) -> bool:
+    text = log.read_text(errors="replace") if log.exists() else ""
+    return "EADDRINUSE" in text and "failed to listen" in text
+
+
+def _run_ranks_once(
+    main: str, args: list[str], world_size: int, logs: list[Path], timeout: float
+) -> list[int | None]:
     ctx, port = _forkserver.context(), free_port()
     procs = [
         ctx.Process(
