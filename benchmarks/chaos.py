@@ -567,7 +567,7 @@ def compare(soak: dict[str, Any], reference: dict[str, Any]) -> list[str]:
     )
 
 
-def effective_time(run_dir: Path, wall: float) -> tuple[float, int]:
+def effective_time(run_dir: Path) -> tuple[float, int]:
     """(productive step seconds, steps): each step's last run on rank 0, from the driver's timeline."""
     trace = json.loads((run_dir / "timeline.json").read_text())
     last: dict[int, float] = {}
@@ -608,7 +608,7 @@ def soak(tmp: Path, config: SoakConfig) -> dict[str, Any]:
             problems += compare(
                 final_state(tmp / "soak" / "ckpt", steps), final_state(tmp / "reference" / "ckpt", steps)
             )
-    productive, counted = effective_time(tmp / "soak" / "run", run["wall"])
+    productive, counted = effective_time(tmp / "soak" / "run")
     kinds: dict[str, int] = {}
     for fault in run["injected"]:
         kinds[fault.kind] = kinds.get(fault.kind, 0) + 1
@@ -618,7 +618,7 @@ def soak(tmp: Path, config: SoakConfig) -> dict[str, Any]:
         "productive_step_s": round(productive, 1), "steps_timed": counted,
         "effective_training_time": round(productive / run["wall"], 3),
         "reference_effective": None if reference is None else round(
-            effective_time(tmp / "reference" / "run", reference["wall"])[0] / reference["wall"], 3),
+            effective_time(tmp / "reference" / "run")[0] / reference["wall"], 3),
         "faults": kinds, "attempts": len(run["report"]["attempts"]),
         "injected": [dataclasses.asdict(i) for i in run["injected"]],
         "named": [a["fault"] and f"{a['fault']['kind']} rank {a['fault']['rank']} node {a['fault'].get('node')}"
