@@ -90,6 +90,9 @@ def test_s3_storage_probe_passes_and_cleans_up(s3_server: Any, s3_bucket: str):
 def _one_rank_silent_worker(rank: int, world_size: int) -> str | None:
     """Rank 2 skips the checks: the others' collectives time out, and rank 0 collects through the store."""
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=2))
+    # new_group returns on each rank once its own pairs connect; without this barrier rank 2 could leave
+    # while rank 0 still handshakes, and new_group itself fails ("Connection closed by peer"; CI, stop 30).
+    dist.barrier()
     if rank == 2:
         return None
     report = run_self_checks(group=group, collective_bytes=4096)
