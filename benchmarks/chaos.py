@@ -83,6 +83,7 @@ class SoakConfig:
     hang_timeout: float = HANG  # the launcher's; a soak on a machine busy with other work needs more
     alongside: bool = False  # run the reference at the same time as the soak (else before it)
     rounds: int = 0  # stop injecting after this many rounds of every kind (0: only the minutes bound it)
+    in_place: bool = False  # launch with --restart-in-place (nodes whose ranks outlive a fault keep them)
 
 
 @dataclass
@@ -152,8 +153,8 @@ def _override(tmp: Path, shards: Any, steps: int, every: int) -> Path:
 class Cluster:
     """Two launcher processes playing nodes "0" (with the driver) and "1"."""
 
-    def __init__(self, tmp: Path, override: Path, hang_timeout: float = HANG) -> None:
-        self.tmp, self.override, self.hang_timeout = tmp, override, hang_timeout
+    def __init__(self, tmp: Path, override: Path, hang_timeout: float = HANG, in_place: bool = False) -> None:
+        self.tmp, self.override, self.hang_timeout, self.in_place = tmp, override, hang_timeout, in_place
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.nodes: dict[str, subprocess.Popen] = {}
@@ -166,6 +167,7 @@ class Cluster:
             f"--node-rank={node}", f"--heartbeat-interval={HEARTBEAT}", f"--hang-timeout={self.hang_timeout}",
             f"--collective-timeout={COLLECTIVE * self.hang_timeout / HANG}", "--max-restarts=1000", "--repeat-limit=1000",
             "--evict-after=1000", "--node-timeout=60", "--straggler-threshold=1.5", "--no-self-check",
+            *(["--restart-in-place"] if self.in_place else []),
             f"--run-dir={self.tmp / ('run' if node == '0' else f'run-{node}-{len(self.logs)}')}",
             *([f"--port={self.port}"] if node == "0" else [f"--driver={self.url}"]),
             "--", "-m", "megascale.lightning.cli", "fit", "--config", str(CONFIG), "--config", str(self.override),
@@ -445,7 +447,8 @@ def run_job(
 ) -> dict[str, Any]:
     """One run of the job under two launchers; with ``config``, under the monkey. What happened, as a dict."""
     tmp.mkdir(parents=True, exist_ok=True)
-    cluster = Cluster(tmp, _override(tmp, shards, steps, every), hang)
+    in_place = config is not None and config.in_place
+    cluster = Cluster(tmp, _override(tmp, shards, steps, every), hang, in_place)
     cluster.start("0")
     time.sleep(0.5)  # the driver's node first
     cluster.start("1")
@@ -624,6 +627,9 @@ def soak(tmp: Path, config: SoakConfig) -> dict[str, Any]:
         "named": [a["fault"] and f"{a['fault']['kind']} rank {a['fault']['rank']} node {a['fault'].get('node')}"
                   for a in run["report"]["attempts"]],
         "resumed_from": run["attempts"], "problems": problems,
+        # per restart, the nodes whose ranks ran it in the processes of the attempt before (--in-place)
+        "in_place": [sorted(n for n, g in (a.get("warm_groups") or {}).items() if g and g.get("in_place"))
+                     for a in run["report"]["attempts"][1:]],
         "bitwise_equal": reference is not None and not any("final checkpoint" in p for p in problems),
     }  # fmt: skip
 
@@ -650,6 +656,7 @@ def main() -> None:
         "--rounds", type=int, default=0, help="stop injecting after this many rounds of every kind"
     )
     parser.add_argument("--every", type=int, default=10, help="checkpoint every this many steps")
+    parser.add_argument("--in-place", action="store_true", help="launch with --restart-in-place")
     parser.add_argument("--json", type=Path, help="also write the result here")
     parser.add_argument("--dir", type=Path, help="keep everything here (default: a temporary directory)")
     args = parser.parse_args()
@@ -659,7 +666,7 @@ def main() -> None:
         parser.error(f"unknown fault kind(s) {sorted(unknown)}; choose from {', '.join(FAULTS)}")
     config = SoakConfig(minutes=args.minutes, steps=args.steps, faults=faults, seed=args.seed,
                         hang_timeout=args.hang_timeout, reference=not args.no_reference,
-                        alongside=args.alongside, rounds=args.rounds, every=args.every,
+                        alongside=args.alongside, rounds=args.rounds, every=args.every, in_place=args.in_place,
                         pause=tuple(float(v) for v in args.pause.split(",")))  # type: ignore[arg-type]  # fmt: skip
     import tempfile
 

@@ -174,6 +174,86 @@ def _state(pid: int) -> str:
         return "gone"
 
 
+IN_PLACE_JOB = """\
+import os, sys, json, threading
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+threading.Thread(target=lambda: None).start()  # a thread of the run's own: ended, so no reason to refuse
+t = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(t)
+if os.environ.get("FAIL_RANK") == os.environ["RANK"]:
+    raise RuntimeError("injected")
+dist.all_reduce(t)  # the failed rank's peer fails here: its group is destroyed, the connection closed
+with open(os.path.join(sys.argv[1], f"rank{dist.get_rank()}.json"), "w") as f:
+    json.dump({"pid": os.getpid(), "sum": t.item(), "port": os.environ["MASTER_PORT"]}, f)
+dist.destroy_process_group()
+"""
+
+
+def test_in_place_a_failed_run_s_ranks_settle_and_run_the_next_attempt_in_the_same_processes(
+    tmp_path,
+) -> None:
+    """Rank 1 raises after a first all-reduce while rank 0 waits in the second: rank 1's worker destroys its
+    process group, so rank 0 fails at once (not at the collective timeout), and both settle. The group
+    reports `ended` with the same two workers, stays alive, and runs the next attempt (a fresh store) in
+    them: the all-reduces of that run are exact and its ranks are the processes forked before the failure."""
+    script = tmp_path / "job.py"
+    script.write_text(IN_PLACE_JOB)
+    group = WarmGroup([sys.executable, str(script), str(tmp_path)], 2, clean_env(), name="t", in_place=True)
+    try:
+        assert group.ready.wait(READY_TIMEOUT_S), "the warm group never became ready"
+        workers = group.workers
+        sock, store = _store()
+        started = time.monotonic()
+        group.run({**clean_env(), "FAIL_RANK": "1"}, _ranks(store))
+        _wait(lambda: group.ended is not None or not group.alive(), 60, "the failed run to end")
+        # well under the 60-s collective timeout: rank 0 learnt of the failure from the closed connection
+        assert group.ended is not None and time.monotonic() - started < 30, group.ended
+        assert group.ended["workers"] == workers and group.alive(), group.ended
+        assert not list(tmp_path.glob("rank*.json"))
+        # both stores live to the end: a store handed a listening fd closes that fd number when it goes,
+        # which another store's socket may have taken by then
+        sock2, store2 = _store()
+        group.run(clean_env(), _ranks(store2))
+        assert group.process.wait(timeout=120) == 0 and group.runs == 2
+        sock.close()
+        sock2.close()
+    finally:
+        group.close()
+    outs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [o["pid"] for o in outs] == workers and all(o["sum"] == 6.0 for o in outs), outs
+    assert {o["port"] for o in outs} == {str(store2.port)}
+
+
+LEAKY_JOB = """\
+import os, threading, time
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+threading.Thread(target=time.sleep, args=(600,), daemon=True, name="left-behind").start()
+raise RuntimeError("injected")
+"""
+
+
+def test_in_place_a_run_that_leaves_a_thread_running_is_not_restarted_in_place(tmp_path, monkeypatch) -> None:
+    """A thread of the failed run still running after the settle time: the process is not one to run the next
+    attempt in (that thread could still act on the old run), so the group exits with the failure as without
+    in place, and says why."""
+    script = tmp_path / "job.py"
+    script.write_text(LEAKY_JOB)
+    group = WarmGroup([sys.executable, str(script)], 2, clean_env(), name="t", in_place=True)
+    try:
+        assert group.ready.wait(READY_TIMEOUT_S), "the warm group never became ready"
+        sock, store = _store()
+        group.run(clean_env(), _ranks(store))
+        assert group.process.wait(timeout=120) == 1 and group.ended is None
+        sock.close()
+    finally:
+        group.close()
+
+
 # --- 2 nodes x 2 ranks ------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> dict[str, torch.Tensor]:
@@ -209,6 +289,50 @@ def test_a_node_whose_processes_die_restarts_from_warm_spares_to_bitwise_equal_w
     # a minute at load 25; a warm one 0.3 s at load 12 (benchmarks/recovery.py). 4 s: room for a loaded CI
     # machine, yet a restart that started processes would not fit on a quiet one.
     assert phases["start"] < 4.0, phases
+    _assert_equal(tmp_path / "out.pt", uninterrupted)
+
+
+def _same_processes(failed: dict, resumed: dict, ranks: list[int]) -> bool:
+    return all(resumed["ranks"][str(r)] == failed["ranks"][str(r)] for r in ranks)
+
+
+def test_in_place_an_exception_restarts_every_rank_in_its_own_process_to_bitwise_equal_weights(
+    uninterrupted, tmp_path
+):
+    """--restart-in-place, rank 1 raises at step 4: no process is gone, so every rank settles and attempt 1
+    runs in the very processes of attempt 0 (same pids on both nodes, the groups' second run), resumes from
+    the checkpoint and ends bitwise equal to an uninterrupted run."""
+    extra = (*PATIENT, "--restart-in-place")
+    results, report = _nodes(tmp_path, ["0", "1"], "--fault", "exception@4:1", self_check=True, extra=extra)
+    output = _output(results)
+    assert report["ok"] and all(r.returncode == 0 for r in results.values()), output
+    failed, resumed = report["attempts"]
+    assert failed["fault"]["kind"] == "exception" and failed["fault"]["rank"] == 1, failed["fault"]
+    assert "injected failure at step 4" in failed["fault"]["message"], failed["fault"]
+    assert _same_processes(failed, resumed, [0, 1, 2, 3]), (failed["ranks"], resumed["ranks"])
+    groups = resumed["warm_groups"]
+    assert all(g["in_place"] and g["runs"] == 2 for g in groups.values()), groups
+    assert "settled; the next attempt runs in them" in output
+    _assert_equal(tmp_path / "out.pt", uninterrupted)
+
+
+def test_in_place_a_dead_rank_s_node_restarts_from_a_spare_and_the_other_node_in_place(
+    uninterrupted, tmp_path
+):
+    """--restart-in-place, rank 3 (node 1) is SIGKILLed at step 4: node 0's ranks lose their peer, fail and
+    settle, so they run attempt 1 in place; node 1's group lost a process and is replaced by its warm spare.
+    The fault is still named (rank 3 dead on node 1) and the weights end bitwise equal."""
+    extra = (*PATIENT, "--restart-in-place")
+    results, report = _nodes(tmp_path, ["0", "1"], "--fault", "sigkill@4:3", self_check=True, extra=extra)
+    output = _output(results)
+    assert report["ok"] and all(r.returncode == 0 for r in results.values()), output
+    failed, resumed = report["attempts"]
+    assert failed["fault"]["kind"] == "dead" and failed["fault"]["rank"] == 3, failed["fault"]
+    assert _same_processes(failed, resumed, [0, 1]), (failed["ranks"], resumed["ranks"])
+    assert not any(resumed["ranks"][str(r)] == failed["ranks"][str(r)] for r in (2, 3)), resumed["ranks"]
+    groups = resumed["warm_groups"]  # node names are "0" and "1"; which holds ranks 2-3 is who joined last
+    faulted = failed["fault"]["node"]
+    assert not groups[faulted]["in_place"] and all(g["in_place"] for n, g in groups.items() if n != faulted)
     _assert_equal(tmp_path / "out.pt", uninterrupted)
 
 

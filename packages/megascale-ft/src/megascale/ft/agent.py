@@ -56,6 +56,13 @@ log = logging.getLogger("megascale.ft")
 REFILL_DELAY_S = 5.0
 # warm groups that may be lost in a row; then a pending check fails, and the node goes on without warm spares
 WARM_GROUP_RETRIES = 2
+# in place: after the driver's stop, how long the attempt's ranks have to fail by themselves and settle (their
+# failed peer's connections closed: they fail at once, then run the script's error handling) before the tree
+# is killed as without in place
+IN_PLACE_WAIT_S = 20.0
+# in place: how long the next attempt's start may wait for them (the agent does not report meanwhile); a group
+# not settled by then is killed and a spare runs the attempt
+IN_PLACE_START_WAIT_S = 3.0
 
 
 @dataclass
@@ -77,6 +84,9 @@ class AgentConfig:
         warm_imports: modules the spares import ahead besides torch and the script's top-level imports.
         self_check: whether a spare runs the self-checks ahead (the driver's ``--no-self-check`` off).
         check_timeout: seconds a spare's self-checks may take.
+        in_place: when an attempt fails and every rank of this node is still alive (an exception here, or a
+            peer's fault elsewhere), the next attempt runs in the same processes (`megascale.ft.warm`): no
+            process starts, the script runs again as ``__main__``. Needs ``warm``.
     """
 
     node: str
@@ -93,10 +103,13 @@ class AgentConfig:
     warm_imports: list[str] = field(default_factory=list)
     self_check: bool = True
     check_timeout: float = 60.0
+    in_place: bool = False
 
     def __post_init__(self) -> None:
         if self.warm_spares < 0:
             raise ValueError(f"warm_spares must be >= 0, got {self.warm_spares}")
+        if self.in_place and not self.warm:
+            raise ValueError("restarting in place needs warm groups: drop --no-warm or --restart-in-place")
 
 
 class NodeAgent:
@@ -120,6 +133,8 @@ class NodeAgent:
         self._checking: threading.Thread | None = None
         self.pool: list[WarmGroup] = []  # warm groups waiting, oldest (the next attempt's) first
         self.group: WarmGroup | None = None  # the warm group running the attempt
+        self.kept: WarmGroup | None = None  # in place: the failed attempt's group, its ranks waiting
+        self._keeping: float | None = None  # in place: stop ordered; the deadline for the ranks to settle
         self._prechecks: dict[WarmGroup, int] = {}  # a spare's check run ahead -> its id
         self._pending_check: tuple[int, WarmGroup, int, bool] | None = None  # attempt, group, id, ran ahead
         self._group_failures = 0  # warm groups lost in a row
@@ -146,7 +161,8 @@ class NodeAgent:
         }  # fmt: skip
         if self.group is not None:
             report["group"] = {"name": self.group.name, "pid": self.group.pid, "workers": self.group.workers,
-                               "ready_at": self.group.info.get("at")}  # fmt: skip
+                               "ready_at": self.group.info.get("at"), "runs": self.group.runs,
+                               "in_place": self.group.runs > 1}  # fmt: skip
         if self.check is not None:
             report["self_check"], report["checked_attempt"] = self.check, self.checked_attempt
         if self.stacks_attempt >= 0:
@@ -185,6 +201,10 @@ class NodeAgent:
 
     def _start(self, orders: dict[str, Any]) -> None:
         attempt = int(orders["attempt"])
+        self._settle_kept()
+        if orders.get("mode") != "direct" and self.kept is not None:  # torchrun: nothing runs in place
+            self.kept.close()
+            self.kept = None
         env = self._env(orders)
         self.known, self.code, self.attempt, self.state = {}, None, attempt, "running"
         if orders.get("mode") == "direct":
@@ -208,7 +228,7 @@ class NodeAgent:
         self._groups += 1
         name = f"warm-{self.config.node}-{self._groups}"
         group = WarmGroup(self.command, self.config.nproc_per_node, env, self.config.warm_imports, name=name,
-                          on_event=self._wake.set)  # fmt: skip
+                          on_event=self._wake.set, in_place=self.config.in_place)  # fmt: skip
         log.debug("node %s: warm group %s started (pid %d)", self.config.node, name, group.pid)
         return group
 
@@ -313,18 +333,23 @@ class NodeAgent:
 
     def _start_warm(self, orders: dict[str, Any], env: dict[str, str]) -> None:
         nproc = self.config.nproc_per_node
-        group = self._next_group()
-        self.pool.remove(group)
-        self._prechecks.pop(group, None)
+        group, self.kept = self.kept, None
+        if group is not None and (not group.alive() or group.ended is None):
+            group.close()
+            group = None
+        if group is None:
+            group = self._next_group()
+            self.pool.remove(group)
+            self._prechecks.pop(group, None)
         ranks = [
             rank_env(node_rank=int(orders["node_rank"]), nnodes=int(orders["nnodes"]), nproc=nproc,
                      local_rank=local, master=str(orders["master"]), run_id=str(orders["run_id"]))
             for local in range(nproc)
         ]  # fmt: skip
         group.run(env, ranks)
+        how = "in place" if group.runs > 1 else "ready" if group.ready.is_set() else "still importing"
         log.info("node %s, attempt %d: warm group %s (pid %d, %s), ranks %s..%s", self.config.node,
-                 self.attempt, group.name, group.pid, "ready" if group.ready.is_set() else "still importing",
-                 ranks[0]["RANK"], ranks[-1]["RANK"])  # fmt: skip
+                 self.attempt, group.name, group.pid, how, ranks[0]["RANK"], ranks[-1]["RANK"])  # fmt: skip
         self.group, self.process = group, group.process
         self._handed_out = time.monotonic()
 
@@ -337,7 +362,20 @@ class NodeAgent:
         found = collect_stacks(ours, self._stacks_dir(attempt))
         self.stacks, self.stacks_attempt = {str(r): text for r, text in found.items()}, attempt
 
-    def _stop(self) -> None:
+    def _stop(self, keep: bool = False) -> None:
+        """End this node's tree of the attempt; ``keep`` (the driver's stop, in place): a group whose ranks
+        all settle after the failure is kept for the next attempt instead (`_settle_kept`)."""
+        group = self.group
+        if keep and self._keeping is not None:  # the driver repeats its order until the next one
+            self._settle_kept(wait=False)
+            return
+        if keep and self.config.in_place and group is not None and group.alive():
+            self._keeping = time.monotonic() + IN_PLACE_WAIT_S
+            if self.state == "running":
+                self.state = "stopped"
+            self._settle_kept(wait=False)
+            return
+        self._keeping = None
         if self.process is not None:
             kill_tree(self.process.pid, extra=self.known)
             self.process.wait()
@@ -348,6 +386,25 @@ class NodeAgent:
         if self.group is not None:
             self.group.close()  # its pipes
             self.group = None
+
+    def _settle_kept(self, wait: bool = True) -> None:
+        """In place, after a stop: keep the attempt's group once its ranks settled (`WarmGroup.ended`); kill it
+        when one exited or the deadline passed. ``wait``: block until then (the next attempt starts now)."""
+        group = self.group
+        if self._keeping is None or group is None:
+            return
+        if wait:
+            self._keeping = min(self._keeping, time.monotonic() + IN_PLACE_START_WAIT_S)
+        while wait and group.alive() and group.ended is None and time.monotonic() < self._keeping:
+            self._wake.wait(0.05)
+            self._wake.clear()
+        if group.alive() and group.ended is not None:
+            log.info("node %s, attempt %d: ranks %s settled (%.2f s); the next attempt runs in them",
+                     self.config.node, self.attempt, group.ended.get("workers"), group.ended.get("settle_s", 0))  # fmt: skip
+            self.kept, self.group, self.process, self._keeping = group, None, None, None
+            prune_empty(self._stacks_dir(self.attempt))
+        elif not group.alive() or time.monotonic() >= self._keeping:
+            self._stop()  # what the ranks could not settle is killed, as without in place
 
     def _obey(self, orders: dict[str, Any]) -> int | None:
         action = orders.get("action", "wait")
@@ -371,7 +428,7 @@ class NodeAgent:
         elif action == "stacks" and attempt == self.attempt and self.stacks_attempt != attempt:
             self._collect_stacks(attempt, orders.get("pids", {}))
         elif action == "stop" and attempt == self.attempt:
-            self._stop()
+            self._stop(keep=True)
         elif action in ("evicted", "done"):
             self._stop()
             if action == "evicted":
@@ -381,6 +438,10 @@ class NodeAgent:
         return None
 
     def _tick(self) -> None:
+        if self._keeping is not None:
+            self._settle_kept(wait=False)
+        if self.kept is not None and not self.kept.alive():
+            self.kept = None
         if self._checking is not None and not self._checking.is_alive():
             self._checking, self.state = None, "checked"
         if self._pending_check is not None:
@@ -389,6 +450,8 @@ class NodeAgent:
             self._tend_pool()
         if self.process is not None and self.state == "running":
             code = self.process.poll()
+            if code is None and self.group is not None and self.group.ended is not None:
+                code = int(self.group.ended.get("code", 1))  # in place: failed, its ranks waiting
             if code is not None:
                 self.code, self.state = code, "exited"
 
@@ -425,5 +488,7 @@ class NodeAgent:
                     self._wake.clear()
         finally:
             self._stop()
+            if self.kept is not None:
+                self.kept.close()
             for group in list(self.pool):
                 self._discard(group)

@@ -45,6 +45,7 @@ import re
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
@@ -77,7 +78,7 @@ from megascale.ft.manifest import (
 )
 from megascale.ft.restore import LoadStats, load_from_replicas
 
-__all__ = ["CheckpointError", "TwoStageCheckpointer"]
+__all__ = ["CheckpointError", "TwoStageCheckpointer", "close_open_checkpointers"]
 
 _STEP_DIR = re.compile(r"^step-(\d{9,})$")
 
@@ -163,6 +164,7 @@ class TwoStageCheckpointer:
         self.last_load: LoadStats | None = None
         """What the last `load` read from storage on this rank, and how long it took."""
         self._checksum_bytes = 0  # read by `_problem` since the current load began
+        _OPEN.add(self)
 
     # --- naming -----------------------------------------------------------------------------------------
     def _name(self, step: int) -> str:
@@ -349,6 +351,7 @@ class TwoStageCheckpointer:
         finally:
             self._executor.shutdown(wait=True)
             self._stager.close()
+            _OPEN.discard(self)
 
     def __enter__(self) -> TwoStageCheckpointer:
         return self
@@ -579,3 +582,22 @@ class TwoStageCheckpointer:
                 )
         except CheckpointException as e:  # DCP gathers every rank's failure into one BaseException
             raise CheckpointError(f"loading {where} failed: {e}") from e
+
+
+_OPEN: weakref.WeakSet[TwoStageCheckpointer] = weakref.WeakSet()  # not closed yet, in this process
+
+
+def close_open_checkpointers() -> list[str]:
+    """Close every checkpointer of this process that a failed run left open; the errors of their last saves.
+
+    For a process that runs the training again after a failure (`megascale.ft.warm`, in place): a save in
+    flight goes on in the background, in collectives of the side group with the other ranks' background
+    saves, which do the same, so it ends (committed, or failed where a peer is gone); only then may the
+    process groups be destroyed, which would leave those collectives waiting forever."""
+    errors = []
+    for checkpointer in list(_OPEN):
+        try:
+            checkpointer.close()
+        except (Exception, CheckpointException) as e:  # the save failed: its checkpoint is never committed
+            errors.append(f"{type(e).__name__}: {e}")
+    return errors

@@ -94,6 +94,10 @@ def _parser() -> argparse.ArgumentParser:
     launch.add_argument("--warm-spares", type=int, default=AgentConfig.warm_spares,
                         help="multi-node: warm groups (one process per local rank, torch and the script's imports "
                         "loaded, self-checked ahead) waiting on this node while an attempt runs")  # fmt: skip
+    launch.add_argument("--restart-in-place", action="store_true",
+                        help="multi-node, warm: after a failure that leaves a node's ranks alive (an exception, a "
+                             "peer's death), run the next attempt in the same processes (the script runs again "
+                             "as __main__: module-level state it changed stays changed)")  # fmt: skip
     launch.add_argument("--warm-import", default="", metavar="MODULE[,MODULE...]",
                         help="modules the warm spares import ahead besides torch and the script's top-level "
                         "imports (never ones that initialise CUDA or start threads: the ranks are forked)")  # fmt: skip
@@ -164,7 +168,7 @@ def _agent(args: argparse.Namespace, command: list[str], config: LaunchConfig, u
         node=args.node_rank or socket.gethostname(), driver_url=url, token=config.token,
         nproc_per_node=config.nproc_per_node, run_dir=config.run_dir, storage=config.storage,
         cafile=args.tls_ca or args.tls_cert, driver_timeout=config.timeouts.startup_timeout,
-        warm=not args.no_warm, warm_spares=args.warm_spares,
+        warm=not args.no_warm, warm_spares=args.warm_spares, in_place=args.restart_in_place,
         warm_imports=[m.strip() for m in args.warm_import.split(",") if m.strip()],
         self_check=config.self_check,
         check_timeout=min(config.self_check_timeout, config.timeouts.collective_timeout),

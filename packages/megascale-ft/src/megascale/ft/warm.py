@@ -66,6 +66,11 @@ log = logging.getLogger("megascale.ft")
 FAILED_PEERS_GRACE_S = 2.0
 TERM_GRACE_S = 5.0  # SIGTERM, then SIGKILL, for the peers of a failed rank
 POLL_S = 0.05
+# in place: a failed rank's peers fail by themselves once its process group is destroyed (their connections
+# to it close), then go through the script's own error handling; a peer still running after this is stopped
+IN_PLACE_GRACE_S = 15.0
+# in place: how long a failed run's threads and child processes may take to end once it returned
+SETTLE_S = 5.0
 
 
 # --- what to run ----------------------------------------------------------------------------------------------
@@ -169,11 +174,13 @@ class WarmGroup:
         imports: modules to import ahead besides torch, ``torch.distributed`` and the script's.
         name: for log lines.
         on_event: called (from a reader thread) when the group reports something: ready, a verdict.
+        in_place: when a run fails with an exception (no process gone), the workers settle and the group
+            waits to run the next attempt in the same processes (`ended`), instead of exiting.
     """
 
     def __init__(
         self, command: Sequence[str], nproc: int, env: Mapping[str, str], imports: Sequence[str] = (),
-        name: str = "warm", on_event: Callable[[], None] | None = None,
+        name: str = "warm", on_event: Callable[[], None] | None = None, in_place: bool = False,
     ) -> None:  # fmt: skip
         self.name, self._on_event = name, on_event
         self.created = time.time()
@@ -181,7 +188,8 @@ class WarmGroup:
         reports_r, reports_w = os.pipe()
         argv = [
             sys.executable, "-u", "-m", "megascale.ft.warm", f"--nproc={nproc}", f"--command-fd={commands_r}",
-            f"--report-fd={reports_w}", *(f"--import={m}" for m in imports), "--", *command,
+            f"--report-fd={reports_w}", *(f"--import={m}" for m in imports), *(["--in-place"] if in_place else []),
+            "--", *command,
         ]  # fmt: skip
         try:
             # a session of its own, like torchrun under the agent: kill_tree finds it by its session too
@@ -199,6 +207,9 @@ class WarmGroup:
         self.checks: dict[int, dict[str, Any]] = {}  # check id -> verdict
         self._next_check = 0
         self.started_run = False
+        self.runs = 0  # attempts run in this group (more than one: restarted in place)
+        # in place: the last run failed and every worker waits to run again ({"workers": pids, "at": ...})
+        self.ended: dict[str, Any] | None = None
         self._reader = threading.Thread(
             target=self._read, args=(os.fdopen(reports_r),), daemon=True, name=f"megascale-ft-{name}"
         )
@@ -217,6 +228,8 @@ class WarmGroup:
                         self.ready.set()
                     elif event.get("event") == "checked":
                         self.checks[int(event["id"])] = event
+                    elif event.get("event") == "ended":
+                        self.ended = event
                 if self._on_event is not None:
                     self._on_event()
 
@@ -256,8 +269,12 @@ class WarmGroup:
 
     def run(self, env: Mapping[str, str], ranks: Sequence[Mapping[str, str]]) -> None:
         """Start the attempt: worker i gets ``env`` and ``ranks[i]``. From here the group is the attempt's
-        process tree (its supervisor exits with the workers' verdict)."""
+        process tree (its supervisor exits with the workers' verdict, or, in place, reports `ended` and
+        takes the next ``run``)."""
         self.started_run = True
+        self.runs += 1
+        with self._lock:
+            self.ended = None
         self._send({"cmd": "run", "env": dict(env), "ranks": [dict(r) for r in ranks]})
         with contextlib.suppress(OSError):
             self._commands.flush()
@@ -327,16 +344,8 @@ def _refresh_rank_caches() -> None:
                 module.rank_zero_only.rank = module._get_rank() or 0
 
 
-def _worker(read_fd: int, script: str | None, module: str | None, args: list[str]) -> int:
-    """A forked worker: wait for the attempt's environment, then run the training command as ``__main__``."""
-    line = _Lines(read_fd).readline(None)
-    os.close(read_fd)
-    if not line:
-        return 0  # the group was discarded
-    message = json.loads(line)
-    os.environ.clear()
-    os.environ.update(message["env"])
-    _refresh_rank_caches()
+def _run_script(script: str | None, module: str | None, args: list[str]) -> int:
+    """Run the training command as ``__main__``; its exit code (1 for an exception, after printing it)."""
     import runpy
 
     try:
@@ -353,6 +362,98 @@ def _worker(read_fd: int, script: str | None, module: str | None, args: list[str
     except BaseException:
         sys.excepthook(*sys.exc_info())
         return 1
+
+
+def _settle(threads_before: set[threading.Thread]) -> str | None:
+    """After a failed run, make this process fit to run the command again: its process group destroyed
+    (which also closes its connections, so peers blocked on it fail at once instead of at the collective
+    timeout), and nothing the run started still running. None when fit, else why not."""
+    import gc
+
+    import torch.distributed as dist
+
+    checkpoints = sys.modules.get("megascale.ft.checkpoint")
+    if checkpoints is not None:  # a save in flight ends first: it needs the process groups (its docstring)
+        closing = threading.Thread(target=checkpoints.close_open_checkpointers, daemon=True)
+        threads_before.add(closing)
+        closing.start()
+        closing.join(SETTLE_S)
+        if closing.is_alive():
+            return (
+                f"a checkpoint save of the failed run did not end within {SETTLE_S:.0f} s ({_where(closing)})"
+            )
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception as e:  # a group that cannot be torn down is not one to build on
+            return f"destroy_process_group failed: {type(e).__name__}: {e}"
+    deadline = time.monotonic() + SETTLE_S
+    while True:
+        gc.collect()  # what the failed run left: its objects' pools and loaders end their threads when freed
+        threads = [t for t in threading.enumerate() if t not in threads_before and t.is_alive()]
+        children = _children()
+        if not threads and not children:
+            return None
+        if time.monotonic() > deadline:
+            what = [f"thread {t.name!r} ({_where(t)})" for t in threads]
+            what += [f"child process {pid}" for pid in children]
+            return f"the failed run left {', '.join(what)} running after {SETTLE_S:.0f} s"
+        time.sleep(POLL_S)
+
+
+def _where(thread: threading.Thread) -> str:
+    """Where ``thread`` is now: its innermost frames, as ``file:line in function``."""
+    frame = sys._current_frames().get(thread.ident or -1)
+    if frame is None:
+        return "no frame"
+    stack = traceback.extract_stack(frame)[-3:]
+    return " < ".join(f"{Path(f.filename).name}:{f.lineno} in {f.name}" for f in reversed(stack))
+
+
+def _children() -> list[int]:
+    """This process's child processes that still run (a failed run's data loader workers, say)."""
+    from megascale.ft._procs import descendants
+
+    return [pid for pid in descendants(os.getpid()) if _proc_state(pid) not in ("Z", "X", "gone")]
+
+
+def _proc_state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "gone"
+
+
+def _worker(
+    local: int, read_fd: int, report_fd: int | None, script: str | None, module: str | None, args: list[str]
+) -> int:
+    """A forked worker: wait for the attempt's environment, then run the training command as ``__main__``.
+
+    In place (``report_fd`` given): when the run fails with an exception, the worker settles (`_settle`),
+    tells the supervisor whether it can run again, and if so waits for the next attempt's environment on the
+    same pipe: a restart of this node then starts no process at all (`megascale.ft.agent`)."""
+    lines = _Lines(read_fd)
+    code = 0
+    while True:
+        line = lines.readline(None)
+        if not line:
+            return code  # the group was discarded (after a failed run kept in place: that run's verdict)
+        message = json.loads(line)
+        os.environ.clear()
+        os.environ.update(message["env"])
+        _refresh_rank_caches()
+        threads_before = set(threading.enumerate())
+        code = _run_script(script, module, args)
+        if code == 0 or report_fd is None:
+            return code
+        failed_at = time.time()
+        why = _settle(threads_before)
+        _say(report_fd, {"event": "ended", "local": local, "pid": os.getpid(), "code": code, "why": why,
+                         "failed_at": failed_at, "settle_s": time.time() - failed_at})  # fmt: skip
+        if why is not None:
+            print(f"megascale-ft warm: local rank {local} cannot restart in place: {why}", file=sys.stderr,
+                  flush=True)  # fmt: skip
+            return code
 
 
 def _end_worker(code: int) -> None:
@@ -383,6 +484,12 @@ class _Supervisor:
         self.codes: dict[int, int] = {}  # local rank -> exit code
         self.stopping = 0  # SIGTERMs received
         self.commands = _Lines(args.command_fd)
+        self.parked: dict[int, dict[str, Any]] = {}  # in place: local rank -> its "ended" event
+        self.events: _Lines | None = None  # in place: what the workers say (one pipe, lines under PIPE_BUF)
+        self.events_w: int | None = None
+        if args.in_place:
+            events_r, self.events_w = os.pipe()
+            self.events = _Lines(events_r)
 
     # forking: only from the main thread of a process that has run no torch operation
     def _fork(self, child: Any) -> int:
@@ -394,6 +501,8 @@ class _Supervisor:
                 signal.signal(signal.SIGINT, signal.default_int_handler)
                 os.close(self.args.command_fd)
                 os.close(self.args.report_fd)
+                if self.events is not None:
+                    os.close(self.events.fd)
                 code = child()
             except SystemExit as e:
                 code = _exit_code(e)
@@ -403,23 +512,31 @@ class _Supervisor:
         return pid
 
     def fork_workers(self) -> None:
-        for local in range(self.args.nproc):
+        for local in range(self.args.nproc):  # `local` is bound per worker through `child`'s defaults
             read_fd, write_fd = os.pipe()
             others = list(self.pipes.values())
 
-            def child(read_fd: int = read_fd, write_fd: int = write_fd, others: list[int] = others) -> int:
+            def child(
+                read_fd: int = read_fd,
+                write_fd: int = write_fd,
+                others: list[int] = others,
+                local: int = local,
+            ) -> int:
                 os.close(write_fd)
                 for fd in others:
                     os.close(fd)
                 devnull = os.open(os.devnull, os.O_RDONLY)
                 os.dup2(devnull, 0)  # torchrun's workers read nothing either
                 os.close(devnull)
-                return _worker(read_fd, self.script, self.module, self.rest)
+                return _worker(local, read_fd, self.events_w, self.script, self.module, self.rest)
 
             pid = self._fork(child)
             os.close(read_fd)
             self.workers[pid] = local
             self.pipes[local] = write_fd
+        if self.events_w is not None:
+            os.close(self.events_w)  # the workers hold it: EOF when the last one exits
+            self.events_w = None
 
     def check(self, order: dict[str, Any]) -> dict[str, Any]:
         """The node's self-checks in forked checkers (a node-local gloo group over a FileStore)."""
@@ -470,38 +587,80 @@ class _Supervisor:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
 
-    def run(self, order: dict[str, Any]) -> int:
-        """Hand each worker its environment, then wait for them as torchrun would; the exit code."""
+    def run(self, order: dict[str, Any]) -> int | None:
+        """Hand each worker its environment, then wait for them as torchrun would; the exit code, or None
+        (in place) when the run failed but every worker settled and waits to run again."""
         ranks = order["ranks"]
         for local, write_fd in self.pipes.items():
             env = {**order["env"], **ranks[local]}
             with contextlib.suppress(OSError):
                 os.write(write_fd, (json.dumps({"env": env}) + "\n").encode())
-            os.close(write_fd)
-        self.pipes.clear()
+            if not self.args.in_place:
+                os.close(write_fd)
+        if not self.args.in_place:
+            self.pipes.clear()
+        self.codes, self.parked = {}, {}
+        grace = IN_PLACE_GRACE_S if self.args.in_place else FAILED_PEERS_GRACE_S
         failed_at: float | None = None
         killed_at: float | None = None
         while len(self.codes) < len(self.workers):
             pid, status = os.waitpid(-1, os.WNOHANG)
             if pid in self.workers:
-                code = os.waitstatus_to_exitcode(status)
-                self.codes[self.workers[pid]] = code
-                if code != 0 and failed_at is None:
+                self._ended(self.workers[pid], os.waitstatus_to_exitcode(status), None)
+                if failed_at is None and self.codes[self.workers[pid]] != 0:
                     failed_at = time.monotonic()
-                    print(f"megascale-ft warm: local rank {self.workers[pid]} (pid {pid}) failed (exitcode: "
-                          f"{code})", file=sys.stderr, flush=True)  # fmt: skip
+                    grace = min(grace, FAILED_PEERS_GRACE_S)  # a process is gone: no restart in place
                 continue
+            for event in self._events():
+                self._ended(int(event["local"]), int(event["code"]), event)
+                failed_at = failed_at or time.monotonic()
             now = time.monotonic()
-            if failed_at is not None and killed_at is None and now > failed_at + FAILED_PEERS_GRACE_S:
+            if failed_at is not None and killed_at is None and now > failed_at + grace:
                 killed_at = now
                 self._signal_running(signal.SIGTERM)
             if killed_at is not None and now > killed_at + TERM_GRACE_S:
                 self._signal_running(signal.SIGKILL)
             if self.commands.readline(0) == "":  # the agent is gone: nothing supervises the ranks
                 self._signal_running(signal.SIGKILL)
+                self.discard()
                 return 1
             time.sleep(POLL_S)
-        return 0 if all(code == 0 for code in self.codes.values()) else 1
+        if all(code == 0 for code in self.codes.values()):
+            return 0
+        if (
+            self.args.in_place
+            and all(e.get("why") is None for e in self.parked.values())
+            and len(self.parked) == len(self.workers)
+        ):
+            return None
+        self.discard()  # parked workers: EOF on their pipes, they exit
+        return 1
+
+    def _ended(self, local: int, code: int, event: dict[str, Any] | None) -> None:
+        """Worker ``local`` ended its run with ``code``: it exited (``event`` None) or, in place, said so."""
+        if local in self.codes and event is None and local in self.parked:
+            del self.parked[local]  # it said it ended, then exited after all: it cannot run again
+            return
+        self.codes[local] = code
+        if event is not None:
+            self.parked[local] = event
+        if code != 0:
+            how = "failed" if event is None else "failed and waits to restart in place"
+            if event is not None and event.get("why"):
+                how = "failed and cannot restart in place"
+            pid = next(p for p, w in self.workers.items() if w == local)
+            print(f"megascale-ft warm: local rank {local} (pid {pid}) {how} (exitcode: {code})", file=sys.stderr,
+                  flush=True)  # fmt: skip
+
+    def _events(self) -> list[dict[str, Any]]:
+        found: list[dict[str, Any]] = []
+        while self.events is not None:
+            line = self.events.readline(0)
+            if not line:
+                break
+            with contextlib.suppress(ValueError):
+                found.append(json.loads(line))
+        return found
 
     def _signal_running(self, sig: int) -> None:
         for pid, local in self.workers.items():
@@ -513,6 +672,7 @@ class _Supervisor:
         for write_fd in self.pipes.values():
             with contextlib.suppress(OSError):
                 os.close(write_fd)  # EOF: the workers exit
+        self.pipes.clear()
         for pid in self.workers:
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(pid, 0)
@@ -524,6 +684,7 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--command-fd", type=int, required=True)
     parser.add_argument("--report-fd", type=int, required=True)
     parser.add_argument("--import", dest="imports", action="append", default=[])
+    parser.add_argument("--in-place", action="store_true", help="a failed run's workers may run again")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -571,7 +732,16 @@ def main(argv: list[str] | None = None) -> int:
         if order.get("cmd") == "check":
             _say(args.report_fd, {"event": "checked", "id": order["id"], **supervisor.check(order)})
         elif order.get("cmd") == "run":
-            return supervisor.run(order)
+            code = supervisor.run(order)
+            if code is not None:
+                return code
+            # in place: every worker settled after a failed run; the agent keeps this group for the next
+            # attempt (another "run") or discards it (EOF)
+            parked = sorted((local, e["pid"]) for local, e in supervisor.parked.items())
+            events = supervisor.parked.values()
+            _say(args.report_fd, {"event": "ended", "code": 1, "in_place": True,
+                                  "workers": [pid for _, pid in parked], "at": time.time(),
+                                  "settle_s": max(e["settle_s"] for e in events)})  # fmt: skip
 
 
 if __name__ == "__main__":
