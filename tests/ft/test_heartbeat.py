@@ -414,3 +414,25 @@ def test_agent_reports_are_signed_both_ways_and_replays_refused(caplog):
     finally:
         impostor.shutdown()
         impostor.server_close()
+
+
+def test_the_heartbeat_thread_never_draws_from_the_training_s_python_rng():
+    """The sender's jitter (at start, and after a failed beat) must not move `random`'s global state: the
+    training's Python RNG is checkpointed, and draws at moments set by the network made a resumed run differ
+    from an uninterrupted one (found by the chaos soak: a slowed rank's failing beats)."""
+    import random
+
+    from megascale.ft.heartbeat import HeartbeatSender
+
+    with socket.socket() as s:  # a port nobody listens on: every beat fails at once
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    random.seed(1234)
+    before = random.getstate()
+    beat = Heartbeat(rank=0, step=0)
+    sender = HeartbeatSender(url, "t" * 32, 0.05, lambda: beat)
+    sender.start()
+    time.sleep(0.6)  # the first jittered wait, failures, jittered retries
+    sender.stop()
+    assert sender._warned  # the beats did fail: the retry path ran
+    assert random.getstate() == before

@@ -13,7 +13,8 @@ The driver answers with orders (`megascale.ft.driver`):
   c10d rendezvous of ``nnodes`` nodes at the driver's store or, ``mode: direct``, the next warm group with
   the ranks the driver assigned (node ``node_rank``, every rank a client of the attempt's store ``master``);
 - ``stacks``: dump the stacks of the ranks given (hang localisation) and send them;
-- ``stop``: kill this node's process tree of attempt k (SIGKILL; checkpoints are on storage);
+- ``stop``: kill this node's process tree of attempt k (SIGKILL; checkpoints are on storage); ``keep``:
+  restarting in place (``in_place``), keep the ranks if they all settle (`megascale.ft.warm`);
 - ``evicted`` / ``done``: stop and exit.
 
 Warm spares (`megascale.ft.warm`, on unless ``warm=False``): the agent keeps ``warm_spares`` warm groups
@@ -428,7 +429,7 @@ class NodeAgent:
         elif action == "stacks" and attempt == self.attempt and self.stacks_attempt != attempt:
             self._collect_stacks(attempt, orders.get("pids", {}))
         elif action == "stop" and attempt == self.attempt:
-            self._stop(keep=True)
+            self._stop(keep=bool(orders.get("keep")))
         elif action in ("evicted", "done"):
             self._stop()
             if action == "evicted":

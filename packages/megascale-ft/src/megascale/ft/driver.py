@@ -54,6 +54,10 @@ log = logging.getLogger("megascale.ft")
 
 WAIT: dict[str, Any] = {"action": "wait"}
 STOP_WAIT_S = 15.0  # how long the agents have to report their trees stopped
+# faults after which the survivors fail by themselves at once (the failed rank's connections are closed: its
+# process is gone, or it destroyed its process group), so agents restarting in place may keep their ranks; a
+# hung rank keeps its connections open and its peers wait for it until the collective timeout
+IN_PLACE_KINDS = ("dead", "exception", "nan", "exit")
 STACKS_WAIT_S = 5.0  # how long the agents have to send their ranks' stacks
 
 
@@ -441,9 +445,10 @@ class ClusterDriver:
                     return Fault("exit", None, "?", message, time.time(), time.time())
             time.sleep(POLL_S)
 
-    def _stop(self, attempt: int, members: list[str]) -> None:
-        """Every member's tree of ``attempt`` killed, or its agent silent, within `STOP_WAIT_S`."""
-        self._order(members, {"action": "stop", "attempt": attempt})
+    def _stop(self, attempt: int, members: list[str], keep: bool = False) -> None:
+        """Every member's tree of ``attempt`` killed, or its agent silent, within `STOP_WAIT_S`; ``keep``:
+        agents that restart in place may keep ranks that outlived the fault (`megascale.ft.agent`)."""
+        self._order(members, {"action": "stop", "attempt": attempt, "keep": keep})
         deadline = time.monotonic() + STOP_WAIT_S
         while time.monotonic() < deadline:
             agents = self._snapshot()
@@ -536,7 +541,7 @@ class ClusterDriver:
                 fault = self._attempt(attempt, members, endpoint)
                 stopping = time.time()
                 entry.update(self._attempt_details(members))  # before the trees are stopped
-                self._stop(attempt, members)
+                self._stop(attempt, members, keep=fault is not None and fault.kind in IN_PLACE_KINDS)
                 entry["phases"] = self._phases(started, gathered, stopping, len(members) * c.nproc_per_node)
                 if self.monitor is not None:
                     monitors.append(self.monitor)

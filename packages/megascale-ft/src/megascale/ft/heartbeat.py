@@ -631,6 +631,9 @@ class HeartbeatSender:
         self._stop = threading.Event()
         self._send_lock = threading.Lock()
         self._warned = False
+        # the jitter's own generator: drawing from the global one would move the training's Python RNG at
+        # moments that depend on the network (a resumed run would no longer repeat bit for bit)
+        self._jitter = random.Random()
         self._thread = threading.Thread(target=self._run, daemon=True, name="megascale-ft-heartbeat")
 
     def start(self) -> None:
@@ -652,10 +655,10 @@ class HeartbeatSender:
                 return False
 
     def _run(self) -> None:
-        wait, ok = random.uniform(0.0, self.interval), True
+        wait, ok = self._jitter.uniform(0.0, self.interval), True
         while not self._stop.wait(wait):
             was_ok, ok = ok, self.send_now()
-            wait = random.uniform(0.0, 0.2 * self.interval) if was_ok and not ok else self.interval
+            wait = self._jitter.uniform(0.0, 0.2 * self.interval) if was_ok and not ok else self.interval
 
     def stop(self) -> None:
         self._stop.set()
