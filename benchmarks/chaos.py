@@ -253,12 +253,12 @@ class Monkey:
             if not self.cluster.running():
                 return None
             beats = self.cluster.status()
-            pids = {r: b["pid"] for r, b in beats.items()}
+            pids = {r: _identity(b) for r, b in beats.items()}
             if len(beats) == 4 and all(
                 b["status"] == "running" and pid_alive(b["pid"]) for b in beats.values()
             ):
                 if {r: first.get(r, (None, 0))[0] for r in beats} != pids:
-                    first = {r: (b["pid"], b["step"]) for r, b in beats.items()}
+                    first = {r: (_identity(b), b["step"]) for r, b in beats.items()}
                 elif all(b["step"] >= first[r][1] + 2 for r, b in beats.items()):
                     return beats
             time.sleep(0.2)
@@ -293,13 +293,13 @@ class Monkey:
                 self._await_restart(beats)
 
     def _await_restart(self, beats: dict[int, dict[str, Any]]) -> None:
-        """Until the attempt that was hit is gone (every pid of it replaced or dead)."""
-        old = {b["pid"] for b in beats.values()}
+        """Until the attempt that was hit is gone (every rank of it replaced, dead or restarted in place)."""
+        old = {_identity(b) for b in beats.values()}
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline and self.cluster.running():
             self.commits.poll()
             now = self.cluster.status()
-            if now and not ({b["pid"] for b in now.values()} & old):
+            if now and not ({_identity(b) for b in now.values()} & old):
                 return
             time.sleep(0.1)
 
@@ -432,6 +432,11 @@ class Monkey:
 
 def _parent(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def _identity(beat: dict[str, Any]) -> tuple[int, int]:
+    """A rank of an attempt: its process and the attempt (a restart in place keeps the process)."""
+    return beat["pid"], beat.get("attempt", 0)
 
 
 def _cmdline(pid: int) -> bytes:

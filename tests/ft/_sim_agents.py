@@ -149,6 +149,7 @@ class SimNode:
         report: dict[str, Any] = {
             "node": self.name, "host": self.host, "pid": os.getpid(), "state": self.state, "attempt": self.attempt,
             "code": self.code, "alive": pids, "gone": [], "nproc_per_node": self.nproc,
+            "stopped": self.attempt if self.state == "stopped" else -1,  # the stop order carried out
         }  # fmt: skip
         if self.stacks_attempt >= 0:
             report["stacks"], report["stacks_attempt"] = self.stacks, self.stacks_attempt

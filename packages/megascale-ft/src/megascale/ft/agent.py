@@ -61,9 +61,9 @@ WARM_GROUP_RETRIES = 2
 # failed peer's connections closed: they fail at once, then run the script's error handling) before the tree
 # is killed as without in place
 IN_PLACE_WAIT_S = 20.0
-# in place: how long the next attempt's start may wait for them (the agent does not report meanwhile); a group
-# not settled by then is killed and a spare runs the attempt
-IN_PLACE_START_WAIT_S = 3.0
+# in place: how long the next attempt's start may wait for them once ordered (the agent goes on reporting, the
+# other nodes' ranks wait in init_process_group); a group not settled by then is killed, a spare runs it
+IN_PLACE_START_WAIT_S = 10.0
 
 
 @dataclass
@@ -136,6 +136,9 @@ class NodeAgent:
         self.group: WarmGroup | None = None  # the warm group running the attempt
         self.kept: WarmGroup | None = None  # in place: the failed attempt's group, its ranks waiting
         self._keeping: float | None = None  # in place: stop ordered; the deadline for the ranks to settle
+        self.stopped = (
+            -1
+        )  # the last attempt whose stop order this agent carried out (the driver waits for it)
         self._prechecks: dict[WarmGroup, int] = {}  # a spare's check run ahead -> its id
         self._pending_check: tuple[int, WarmGroup, int, bool] | None = None  # attempt, group, id, ran ahead
         self._group_failures = 0  # warm groups lost in a row
@@ -154,7 +157,7 @@ class NodeAgent:
         alive = sorted(p for p, t in self.known.items() if same_process(p, t) and pid_alive(p))
         report: dict[str, Any] = {
             "node": self.config.node, "host": socket.gethostname(), "pid": os.getpid(), "state": self.state,
-            "attempt": self.attempt, "code": self.code, "alive": alive,
+            "attempt": self.attempt, "code": self.code, "alive": alive, "stopped": self.stopped,
             "gone": sorted(set(self.known).difference(alive)), "nproc_per_node": self.config.nproc_per_node,
             "warm": self.warm, "spares": sum(g.ready.is_set() for g in self.pool),
             # the next attempt's group is ready: the driver starts a warm attempt when every node says so
@@ -202,7 +205,6 @@ class NodeAgent:
 
     def _start(self, orders: dict[str, Any]) -> None:
         attempt = int(orders["attempt"])
-        self._settle_kept()
         if orders.get("mode") != "direct" and self.kept is not None:  # torchrun: nothing runs in place
             self.kept.close()
             self.kept = None
@@ -368,13 +370,13 @@ class NodeAgent:
         all settle after the failure is kept for the next attempt instead (`_settle_kept`)."""
         group = self.group
         if keep and self._keeping is not None:  # the driver repeats its order until the next one
-            self._settle_kept(wait=False)
+            self._settle_kept()
             return
         if keep and self.config.in_place and group is not None and group.alive():
             self._keeping = time.monotonic() + IN_PLACE_WAIT_S
             if self.state == "running":
                 self.state = "stopped"
-            self._settle_kept(wait=False)
+            self._settle_kept()
             return
         self._keeping = None
         if self.process is not None:
@@ -388,17 +390,12 @@ class NodeAgent:
             self.group.close()  # its pipes
             self.group = None
 
-    def _settle_kept(self, wait: bool = True) -> None:
+    def _settle_kept(self) -> None:
         """In place, after a stop: keep the attempt's group once its ranks settled (`WarmGroup.ended`); kill it
-        when one exited or the deadline passed. ``wait``: block until then (the next attempt starts now)."""
+        when one exited or the deadline passed."""
         group = self.group
         if self._keeping is None or group is None:
             return
-        if wait:
-            self._keeping = min(self._keeping, time.monotonic() + IN_PLACE_START_WAIT_S)
-        while wait and group.alive() and group.ended is None and time.monotonic() < self._keeping:
-            self._wake.wait(0.05)
-            self._wake.clear()
         if group.alive() and group.ended is not None:
             log.info("node %s, attempt %d: ranks %s settled (%.2f s); the next attempt runs in them",
                      self.config.node, self.attempt, group.ended.get("workers"), group.ended.get("settle_s", 0))  # fmt: skip
@@ -424,12 +421,17 @@ class NodeAgent:
                 args=(attempt, float(orders["collective_timeout"]), float(orders["timeout"])),
             )  # fmt: skip
             self._checking.start()
+        elif action == "run" and attempt > self.attempt and self._keeping is not None:
+            # in place: the ranks are still settling; the order comes again with the next report
+            self._keeping = min(self._keeping, time.monotonic() + IN_PLACE_START_WAIT_S)
+            self._settle_kept()
         elif action == "run" and attempt > self.attempt:
             self._start(orders)
         elif action == "stacks" and attempt == self.attempt and self.stacks_attempt != attempt:
             self._collect_stacks(attempt, orders.get("pids", {}))
         elif action == "stop" and attempt == self.attempt:
             self._stop(keep=bool(orders.get("keep")))
+            self.stopped = attempt
         elif action in ("evicted", "done"):
             self._stop()
             if action == "evicted":
@@ -440,7 +442,7 @@ class NodeAgent:
 
     def _tick(self) -> None:
         if self._keeping is not None:
-            self._settle_kept(wait=False)
+            self._settle_kept()
         if self.kept is not None and not self.kept.alive():
             self.kept = None
         if self._checking is not None and not self._checking.is_alive():

@@ -452,7 +452,9 @@ class ClusterDriver:
         deadline = time.monotonic() + STOP_WAIT_S
         while time.monotonic() < deadline:
             agents = self._snapshot()
-            if all(agents[n].report.get("state") != "running" or agents[n].report.get("attempt") != attempt
+            # carried out, not only ended: an attempt that exited by itself may leave processes (ranks kept
+            # for a restart in place) that only the stop order settles
+            if all(agents[n].report.get("stopped") == attempt or agents[n].report.get("attempt") != attempt
                    or time.time() - agents[n].seen > 3 * self.config.timeouts.heartbeat_interval
                    for n in members):  # fmt: skip
                 break

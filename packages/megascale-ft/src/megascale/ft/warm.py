@@ -364,6 +364,39 @@ def _run_script(script: str | None, module: str | None, args: list[str]) -> int:
         return 1
 
 
+def _run_once(script: str | None, module: str | None, args: list[str]) -> tuple[int, list[tuple[Any, ...]]]:
+    """`_run_script` as a process would run it, so that what it leaves can be ended after a failure: in a
+    context of its own (context variables it sets, jsonargparse's parser and through it the CLI's trainer, go
+    with it) and with the exit handlers it registers recorded (a data loader's reader stop, say)."""
+    import atexit
+    import contextvars
+
+    handlers: list[tuple[Any, ...]] = []
+    register = atexit.register
+
+    def recorded(func: Callable[..., Any], *a: Any, **k: Any) -> Callable[..., Any]:
+        handlers.append((func, a, k))
+        return register(func, *a, **k)
+
+    atexit.register = recorded  # type: ignore[assignment]
+    try:
+        return contextvars.copy_context().run(_run_script, script, module, args), handlers
+    finally:
+        atexit.register = register  # type: ignore[assignment]
+
+
+def _run_exit_handlers(handlers: list[tuple[Any, ...]]) -> None:
+    """A failed run's exit handlers, last registered first, as at the end of a process; then forgotten."""
+    import atexit
+
+    for func, a, k in reversed(handlers):
+        atexit.unregister(func)
+        try:
+            func(*a, **k)
+        except Exception:
+            traceback.print_exc()
+
+
 def _settle(threads_before: set[threading.Thread]) -> str | None:
     """After a failed run, make this process fit to run the command again: its process group destroyed
     (which also closes its connections, so peers blocked on it fail at once instead of at the collective
@@ -384,9 +417,14 @@ def _settle(threads_before: set[threading.Thread]) -> str | None:
             )
     if dist.is_available() and dist.is_initialized():
         try:
+            for group in list(dist.distributed_c10d._world.pg_map):
+                with contextlib.suppress(Exception):
+                    group.abort()  # NCCL: its communicators aborted, so peers' kernels fail now
             dist.destroy_process_group()
         except Exception as e:  # a group that cannot be torn down is not one to build on
             return f"destroy_process_group failed: {type(e).__name__}: {e}"
+        gc.collect()
+        _shut_native_connections()
     deadline = time.monotonic() + SETTLE_S
     while True:
         gc.collect()  # what the failed run left: its objects' pools and loaders end their threads when freed
@@ -399,6 +437,45 @@ def _settle(threads_before: set[threading.Thread]) -> str | None:
             what += [f"child process {pid}" for pid in children]
             return f"the failed run left {', '.join(what)} running after {SETTLE_S:.0f} s"
         time.sleep(POLL_S)
+
+
+def _shut_native_connections() -> int:
+    """Shut down this process's TCP connections that no Python socket owns (gloo's pairs, the store client);
+    how many. A destroyed process group closes its connections only once nothing refers to it any more, and
+    a trainer's objects (a device mesh, a pipeline's pending receives) may outlive the failed run: until then
+    the peers blocked on this rank would wait for the collective timeout. Sockets of Python code (heartbeats,
+    HTTP clients) are left alone. Linux (``/proc``); elsewhere nothing is shut."""
+    import gc
+    import socket
+
+    if not os.path.isdir("/proc/self/fd"):
+        return 0
+    owned: set[int] = set()
+    for obj in gc.get_objects():
+        if issubclass(
+            type(obj), socket.socket
+        ):  # not isinstance: that reads __class__, which proxies warn on
+            with contextlib.suppress(OSError, ValueError):
+                owned.add(obj.fileno())
+    shut = 0
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        try:
+            if fd in owned or not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                continue
+            sock = socket.socket(fileno=os.dup(fd))  # a duplicate: closing it leaves the owner's fd open
+        except OSError:
+            continue
+        with sock:
+            if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6):
+                continue
+            try:
+                sock.getpeername()  # connected, not a listening socket
+                sock.shutdown(socket.SHUT_RDWR)  # the connection itself, for every fd that shares it
+                shut += 1
+            except OSError:
+                continue
+    return shut
 
 
 def _where(thread: threading.Thread) -> str:
@@ -443,10 +520,13 @@ def _worker(
         os.environ.update(message["env"])
         _refresh_rank_caches()
         threads_before = set(threading.enumerate())
-        code = _run_script(script, module, args)
-        if code == 0 or report_fd is None:
+        if report_fd is None:
+            return _run_script(script, module, args)
+        code, handlers = _run_once(script, module, args)
+        if code == 0:
             return code
         failed_at = time.time()
+        _run_exit_handlers(handlers)
         why = _settle(threads_before)
         _say(report_fd, {"event": "ended", "local": local, "pid": os.getpid(), "code": code, "why": why,
                          "failed_at": failed_at, "settle_s": time.time() - failed_at})  # fmt: skip
