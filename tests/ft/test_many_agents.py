@@ -117,7 +117,8 @@ def test_a_beat_turned_away_is_retried_soon_once_then_at_the_interval(monkeypatc
     """A beat refused after accepted ones (a burst at the cap) is retried within a fifth of the interval, not
     an interval later; refused again, the sender keeps to the interval (no retry storm at a driver that is
     down or restarting)."""
-    monkeypatch.setattr(heartbeat.random, "uniform", lambda low, high: (low + high) / 2)  # deterministic
+    # deterministic (the sender's jitter has a generator of its own)
+    monkeypatch.setattr(heartbeat.random.Random, "uniform", lambda self, low, high: (low + high) / 2)
     sent = _recording_post(monkeypatch, {0: [True, False, False, True]})
     interval = 2.0
     sender = HeartbeatSender("http://127.0.0.1:1", TOKEN, interval, lambda: Heartbeat(rank=0))
