@@ -482,11 +482,11 @@ class NodeAgent:
                         return 4
                     time.sleep(self.config.poll)
                     continue
-                before = (self.state, self.attempt)
+                before = (self.state, self.attempt, self.stopped)
                 code = self._obey(orders)
                 if code is not None:
                     return code
-                if (self.state, self.attempt) == before:  # else: tell the driver now (a stop, a start)
+                if (self.state, self.attempt, self.stopped) == before:  # else: tell the driver now (a stop, a start)
                     self._wake.wait(self.config.poll)
                     self._wake.clear()
         finally:
