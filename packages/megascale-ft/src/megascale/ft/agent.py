@@ -486,7 +486,8 @@ class NodeAgent:
                 code = self._obey(orders)
                 if code is not None:
                     return code
-                if (self.state, self.attempt, self.stopped) == before:  # else: tell the driver now (a stop, a start)
+                # unchanged: wait for the next poll; else tell the driver now (a stop, a start)
+                if (self.state, self.attempt, self.stopped) == before:
                     self._wake.wait(self.config.poll)
                     self._wake.clear()
         finally:

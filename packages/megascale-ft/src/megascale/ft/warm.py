@@ -398,8 +398,9 @@ def _run_exit_handlers(handlers: list[tuple[Any, ...]]) -> None:
 
 
 def _settle(threads_before: set[threading.Thread]) -> str | None:
-    """After a failed run, make this process fit to run the command again: its process group destroyed
-    (which also closes its connections, so peers blocked on it fail at once instead of at the collective
+    """After a failed run (its exit handlers already run), make this process fit to run the command again:
+    the checkpointers it left open closed (a save in flight ends first), its process groups aborted and
+    destroyed and their connections shut (so peers blocked on this rank fail at once, not at the collective
     timeout), and nothing the run started still running. None when fit, else why not."""
     import gc
 
@@ -452,9 +453,8 @@ def _shut_native_connections() -> int:
         return 0
     owned: set[int] = set()
     for obj in gc.get_objects():
-        if issubclass(
-            type(obj), socket.socket
-        ):  # not isinstance: that reads __class__, which proxies warn on
+        # type(), not isinstance: that reads __class__, on which some module proxies warn
+        if issubclass(type(obj), socket.socket):
             with contextlib.suppress(OSError, ValueError):
                 owned.add(obj.fileno())
     shut = 0
