@@ -211,6 +211,7 @@ class ClusterDriver:
         self.verdict: _Verdict | None = None
         self._server: HeartbeatServer | None = None
         self._first_beat: float | None = None  # of the current attempt, for the recovery phases
+        self._current = 0  # the attempt whose heartbeats count (an earlier one's ranks may still report)
         self._stepped: dict[int, float] = {}  # rank -> when it first reported a finished step
         self._duplicates: dict[tuple[str, Any, Any], float] = {}
         self._arrivals = itertools.count()
@@ -246,6 +247,10 @@ class ClusterDriver:
             return dict(self.orders.get(node, WAIT))
 
     def _on_heartbeat(self, beat: Heartbeat) -> None:
+        if beat.attempt != self._current:
+            # a rank of an earlier attempt still reporting (restarting in place, its ranks outlive the stop
+            # and say how their run ended): not this attempt's news
+            return
         if self.monitor is not None:
             self.monitor.on_heartbeat(beat)
         now = time.time()
@@ -538,6 +543,7 @@ class ClusterDriver:
                     report.reason = self._too_few(attempt)
                     break
                 entry["nodes"] = members
+                self._current = attempt
                 server.forget()
                 self._first_beat, self._stepped = None, {}
                 fault = self._attempt(attempt, members, endpoint)
