@@ -296,17 +296,23 @@ def _same_processes(failed: dict, resumed: dict, ranks: list[int]) -> bool:
     return all(resumed["ranks"][str(r)] == failed["ranks"][str(r)] for r in ranks)
 
 
+def _in_place_run(tmp_path: Path, fault: str) -> tuple[str, dict, dict]:
+    """A 2 x 2 run under --restart-in-place hit by ``fault`` once: its output, the failed and resumed attempts."""
+    extra = (*PATIENT, "--restart-in-place")
+    results, report = _nodes(tmp_path, ["0", "1"], "--fault", fault, self_check=True, extra=extra)
+    output = _output(results)
+    assert report["ok"] and all(r.returncode == 0 for r in results.values()), output
+    failed, resumed = report["attempts"]
+    return output, failed, resumed
+
+
 def test_in_place_an_exception_restarts_every_rank_in_its_own_process_to_bitwise_equal_weights(
     uninterrupted, tmp_path
 ):
     """--restart-in-place, rank 1 raises at step 4: no process is gone, so every rank settles and attempt 1
     runs in the very processes of attempt 0 (same pids on both nodes, the groups' second run), resumes from
     the checkpoint and ends bitwise equal to an uninterrupted run."""
-    extra = (*PATIENT, "--restart-in-place")
-    results, report = _nodes(tmp_path, ["0", "1"], "--fault", "exception@4:1", self_check=True, extra=extra)
-    output = _output(results)
-    assert report["ok"] and all(r.returncode == 0 for r in results.values()), output
-    failed, resumed = report["attempts"]
+    output, failed, resumed = _in_place_run(tmp_path, "exception@4:1")
     assert failed["fault"]["kind"] == "exception" and failed["fault"]["rank"] == 1, failed["fault"]
     assert "injected failure at step 4" in failed["fault"]["message"], failed["fault"]
     assert _same_processes(failed, resumed, [0, 1, 2, 3]), (failed["ranks"], resumed["ranks"])
@@ -322,11 +328,7 @@ def test_in_place_a_dead_rank_s_node_restarts_from_a_spare_and_the_other_node_in
     """--restart-in-place, rank 3 (node 1) is SIGKILLed at step 4: node 0's ranks lose their peer, fail and
     settle, so they run attempt 1 in place; node 1's group lost a process and is replaced by its warm spare.
     The fault is still named (rank 3 dead on node 1) and the weights end bitwise equal."""
-    extra = (*PATIENT, "--restart-in-place")
-    results, report = _nodes(tmp_path, ["0", "1"], "--fault", "sigkill@4:3", self_check=True, extra=extra)
-    output = _output(results)
-    assert report["ok"] and all(r.returncode == 0 for r in results.values()), output
-    failed, resumed = report["attempts"]
+    _, failed, resumed = _in_place_run(tmp_path, "sigkill@4:3")
     assert failed["fault"]["kind"] == "dead" and failed["fault"]["rank"] == 3, failed["fault"]
     assert _same_processes(failed, resumed, [0, 1]), (failed["ranks"], resumed["ranks"])
     assert not any(resumed["ranks"][str(r)] == failed["ranks"][str(r)] for r in (2, 3)), resumed["ranks"]
