@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -175,24 +176,37 @@ def ci(session: nox.Session) -> None:
             [sys.executable, "-m", "nox", "-s", *lane, "--", *session.posargs],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env,
         )  # fmt: skip
-        echo = threading.Thread(target=_echo, args=(proc, f"[{'+'.join(lane)}] "))
+        failures: list[str] = []
+        echo = threading.Thread(target=_echo, args=(proc, f"[{'+'.join(lane)}] ", failures))
         echo.start()
-        lanes.append((lane, proc, echo))
+        lanes.append((lane, proc, echo, failures))
     failed = []
-    for lane, proc, echo in lanes:
+    for lane, proc, echo, failures in lanes:
         proc.wait()
         echo.join()
         if proc.returncode:
             failed.append("+".join(lane))
+            # the lanes' lines interleave and a CI log is often read from its end: what failed, said again last
+            session.log(f"[{'+'.join(lane)}] what failed:")
+            for line in failures or ["(no test failed: see the lane's session output above)"]:
+                session.log(f"    {line}")
     if failed:
         session.error(f"failed: {', '.join(failed)} (each lane's own summary is above)")
 
 
-def _echo(proc: subprocess.Popen, prefix: str) -> None:
+# pytest's one-line outcomes and nox's session verdicts: what `ci` repeats at the end when a lane failed
+_FAILURE_LINE = re.compile(
+    r"^(FAILED |ERROR |nox > Session \S+ (failed|aborted|interrupted))|^=+ .*(failed|error)"
+)
+
+
+def _echo(proc: subprocess.Popen, prefix: str, failures: list[str]) -> None:
     assert proc.stdout is not None
     for line in proc.stdout:
         sys.stdout.write(prefix + line)
         sys.stdout.flush()
+        if _FAILURE_LINE.search(line):
+            failures.append(line.rstrip()[:400])
 
 
 @nox.session
