@@ -227,3 +227,18 @@ def test_an_unpicklable_hook_is_refused_with_what_to_use_instead(shards):
     cfg = _config(url, preprocess=lambda sample: None)
     with pytest.raises(TypeError, match=r"picklable preprocess hook.*not a lambda"):
         next(iter(WebLoader(cfg, run_id=uuid.uuid4().hex[:8])))
+
+
+def test_two_torchrun_jobs_on_one_machine_do_not_share_a_reader(shards, monkeypatch):
+    """torchrun gives every job the run id "none" unless told otherwise: the store port tells jobs apart (by
+    the id alone, a second job's ranks could find the first job's ring and read its batches)."""
+    url, _ = shards
+    ids = []
+    for port in ("29501", "29502"):
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        monkeypatch.setenv("MASTER_PORT", port)
+        ids.append(WebLoader(_config(url), tree=False).run_id)
+    assert ids[0] != ids[1] and all(port in i for i, port in zip(ids, ("29501", "29502"), strict=True))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-7")  # an id given (--rdzv-id) is the job's
+    assert WebLoader(_config(url), tree=False).run_id == "job-7"

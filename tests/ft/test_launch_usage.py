@@ -1,11 +1,13 @@
 """`megascale-ft launch` does not retry what no restart can fix: a training script that does not exist is
 refused before anything starts, and one that fails its own argument parsing (exit code 2 before its first
-step) ends the run after the first attempt, saying why in one line."""
+step) ends the run after the first attempt, saying why in one line. And an attempt does not fail for a port
+taken between the launcher choosing it and torchrun binding it."""
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -48,3 +50,24 @@ def test_a_script_refusing_its_arguments_is_not_retried(tmp_path: Path) -> None:
     )
     assert "train.py: error: the following arguments are required: --steps" in report["reason"]
     assert report["reason"] in result.stderr  # the launcher's last lines say it too
+
+
+def test_torchruns_port_is_free_and_below_the_ephemeral_range(monkeypatch) -> None:
+    """Outgoing connections take their local ports from the ephemeral range: a port chosen there (binding
+    port 0) can be taken by any of them before torchrun binds it (CI: EADDRINUSE, a failed attempt)."""
+    from megascale.ft import launcher
+
+    low = launcher._ephemeral_ports_start()
+    ports = {launcher._free_port("127.0.0.1") for _ in range(16)}
+    assert all(1024 <= port < low for port in ports) and len(ports) > 1, (low, ports)
+    with socket.socket() as taken:  # a listener on the first candidate: the next one is chosen
+        taken.bind(("127.0.0.1", min(ports)))
+        taken.listen()
+        candidates = iter([min(ports), max(ports)])
+
+        class Drawn:
+            def randrange(self, start: int, stop: int) -> int:
+                return next(candidates)
+
+        monkeypatch.setattr(launcher.secrets, "SystemRandom", Drawn)
+        assert launcher._free_port("127.0.0.1") == max(ports)

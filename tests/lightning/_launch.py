@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import random
 import socket
 import time
 from pathlib import Path
@@ -42,9 +43,17 @@ def clean_env() -> dict[str, str]:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now on loopback for rank 0's store, below Linux's ephemeral ports (32768+): ranks bind it
+    seconds later, and a port of that range may meanwhile become the local end of any outgoing connection
+    (megascale.ft.launcher._free_port says more)."""
+    for port in random.SystemRandom().sample(range(12768, 32768), 64):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port in 12768-32767 on 127.0.0.1")
 
 
 def _rank(env: dict[str, str], log: str, main: str, args: tuple[str, ...]) -> None:

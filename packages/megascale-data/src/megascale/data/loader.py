@@ -78,7 +78,8 @@ class WebLoader:
         local_world_size: processes on the node (default: $LOCAL_WORLD_SIZE or 1).
         node_rank: the node (default: $GROUP_RANK / $NODE_RANK or 0).
         run_id: shared by the node's ranks, different between concurrent runs (default:
-            $TORCHELASTIC_RUN_ID, else $MASTER_ADDR:$MASTER_PORT, else this process id).
+            $TORCHELASTIC_RUN_ID unless torchrun's default "none", else $MASTER_ADDR:$MASTER_PORT, else
+            this process id).
         max_steps: stop after this many batches (None: endless, the trainer's max_steps decides).
     """
 
@@ -113,7 +114,10 @@ class WebLoader:
             int(env.get("GROUP_RANK", env.get("NODE_RANK", 0))) if node_rank is None else node_rank
         )
         if run_id is None:
-            run_id = env.get("TORCHELASTIC_RUN_ID") or (
+            # torchrun's default id is "none" for every job (--rdzv-id): two single-node jobs on one machine
+            # would share their readers' rings; their store ports differ
+            elastic_id = env.get("TORCHELASTIC_RUN_ID", "none")
+            run_id = (elastic_id if elastic_id != "none" else "") or (
                 f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}" if "MASTER_PORT" in env else str(os.getpid())
             )
         self.run_id = run_id

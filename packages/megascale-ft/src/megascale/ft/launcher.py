@@ -137,9 +137,31 @@ class RunReport:
 
 
 def _free_port(host: str) -> int:
+    """A port free on ``host`` now, for torchrun's store, chosen below the kernel's ephemeral range.
+
+    torchrun binds it seconds later (once Python and torch are up). A port from the ephemeral range (what
+    binding port 0 gives) may meanwhile become the local end of any outgoing connection on the machine, and
+    torchrun then fails with EADDRINUSE (CI saw it); below that range only another listener can take it."""
+    low = _ephemeral_ports_start()
+    rng = secrets.SystemRandom()
+    for _ in range(64):
+        port = rng.randrange(max(1024, low - 20000), low)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:  # taken (or in TIME_WAIT): another
+                continue
+        return port
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def _ephemeral_ports_start() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default (macOS starts at 49152: below it as well)
 
 
 @dataclass(frozen=True)
