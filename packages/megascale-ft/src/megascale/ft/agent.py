@@ -191,9 +191,11 @@ class NodeAgent:
         env.update({
             ENV["url"]: self.config.driver_url, ENV["token"]: self.config.token, ENV["attempt"]: str(attempt),
             ENV["node"]: self.config.node, STACKS_ENV: str(self._stacks_dir(attempt)),
-            # each attempt's workers get a store of their own, not the long-lived rendezvous store (whose
-            # keys the previous attempt's gloo groups left behind: shared notes)
-            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+            # the ranks' store is the one node 0's torchrun agent binds on port 0 once the rendezvous is
+            # done (torch >= 2.6: a new one per torchrun, i.e. per attempt). Without sharing, rank 0 binds a
+            # port torch chose earlier by binding port 0 and closing it: in that window any outgoing
+            # connection may take it (EADDRINUSE, a failed attempt)
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0",
         })  # fmt: skip
         if self.config.storage:
             env["MEGASCALE_FT_STORAGE"] = self.config.storage
