@@ -71,3 +71,11 @@ def test_torchruns_port_is_free_and_below_the_ephemeral_range(monkeypatch) -> No
 
         monkeypatch.setattr(launcher.secrets, "SystemRandom", Drawn)
         assert launcher._free_port("127.0.0.1") == max(ports)
+
+
+def test_an_ephemeral_range_from_1024_leaves_the_kernel_to_choose(monkeypatch) -> None:
+    from megascale.ft import launcher
+
+    monkeypatch.setattr(launcher, "_ephemeral_ports_start", lambda: 1024)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", launcher._free_port("127.0.0.1")))  # free: a port the kernel gave

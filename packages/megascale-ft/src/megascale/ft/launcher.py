@@ -143,9 +143,9 @@ def _free_port(host: str) -> int:
     binding port 0 gives) may meanwhile become the local end of any outgoing connection on the machine, and
     torchrun then fails with EADDRINUSE (CI saw it); below that range only another listener can take it."""
     low = _ephemeral_ports_start()
-    rng = secrets.SystemRandom()
-    for _ in range(64):
-        port = rng.randrange(max(1024, low - 20000), low)
+    start, rng = max(1024, low - 20000), secrets.SystemRandom()
+    for _ in range(64 if low - start >= 1000 else 0):  # an ephemeral range from ~1024 leaves none below
+        port = rng.randrange(start, low)
         with socket.socket() as s:
             try:
                 s.bind((host, port))
