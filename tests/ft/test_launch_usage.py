@@ -1,13 +1,12 @@
 """`megascale-ft launch` does not retry what no restart can fix: a training script that does not exist is
 refused before anything starts, and one that fails its own argument parsing (exit code 2 before its first
-step) ends the run after the first attempt, saying why in one line. And an attempt does not fail for a port
-taken between the launcher choosing it and torchrun binding it."""
+step) ends the run after the first attempt, saying why in one line. And the ranks' store listens on loopback
+only, at a port bound before torchrun starts (none chosen early for another connection to take)."""
 
 from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -52,30 +51,38 @@ def test_a_script_refusing_its_arguments_is_not_retried(tmp_path: Path) -> None:
     assert report["reason"] in result.stderr  # the launcher's last lines say it too
 
 
-def test_torchruns_port_is_free_and_below_the_ephemeral_range(monkeypatch) -> None:
-    """Outgoing connections take their local ports from the ephemeral range: a port chosen there (binding
-    port 0) can be taken by any of them before torchrun binds it (CI: EADDRINUSE, a failed attempt)."""
-    from megascale.ft import launcher
+STORE_SCRIPT = """\
+import json, os, sys
+import torch.distributed as dist
+from megascale.ft.executor import Executor
 
-    low = launcher._ephemeral_ports_start()
-    ports = {launcher._free_port("127.0.0.1") for _ in range(16)}
-    assert all(1024 <= port < low for port in ports) and len(ports) > 1, (low, ports)
-    with socket.socket() as taken:  # a listener on the first candidate: the next one is chosen
-        taken.bind(("127.0.0.1", min(ports)))
-        taken.listen()
-        candidates = iter([min(ports), max(ports)])
+dist.init_process_group("gloo")
+port = int(os.environ["MASTER_PORT"])
+listening = []  # local addresses of the sockets listening on the store's port (hex, as /proc writes them)
+for path in ("/proc/net/tcp", "/proc/net/tcp6"):
+    with open(path) as table:
+        rows = [line.split() for line in table.readlines()[1:]]
+    listening += [r[1].rsplit(":", 1)[0] for r in rows if r[3] == "0A" and int(r[1].rsplit(":", 1)[1], 16) == port]
+with Executor.from_env() as executor:
+    if dist.get_rank() == 0:
+        with open(sys.argv[1], "w") as out:
+            json.dump({"master_addr": os.environ["MASTER_ADDR"], "listening": listening}, out)
+    dist.barrier()
+    executor.step_done(0, 0.0)
+dist.destroy_process_group()
+os._exit(0)
+"""
 
-        class Drawn:
-            def randrange(self, start: int, stop: int) -> int:
-                return next(candidates)
 
-        monkeypatch.setattr(launcher.secrets, "SystemRandom", Drawn)
-        assert launcher._free_port("127.0.0.1") == max(ports)
-
-
-def test_an_ephemeral_range_from_1024_leaves_the_kernel_to_choose(monkeypatch) -> None:
-    from megascale.ft import launcher
-
-    monkeypatch.setattr(launcher, "_ephemeral_ports_start", lambda: 1024)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", launcher._free_port("127.0.0.1")))  # free: a port the kernel gave
+def test_the_ranks_store_listens_on_loopback_only(tmp_path: Path) -> None:
+    """torch's TCPStore binds every interface whatever host it is given (and has no authentication); the
+    launcher's torchrun binds the store's socket to 127.0.0.1 first (megascale.ft.torchrun), at a port the
+    kernel picks then, so no port is chosen early for another connection to take before torchrun binds it."""
+    (tmp_path / "store.py").write_text(STORE_SCRIPT)
+    args = [sys.executable, "-m", "megascale.ft.cli", "launch", "--nproc-per-node", "2", "--max-restarts", "0",
+            "--no-self-check", "--run-dir", str(tmp_path / "run"), "--", "store.py", str(tmp_path / "seen.json")]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    seen = json.loads((tmp_path / "seen.json").read_text())
+    assert seen == {"master_addr": "127.0.0.1", "listening": ["0100007F"]}, seen  # 127.0.0.1 only, not "*"

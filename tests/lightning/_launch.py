@@ -45,7 +45,7 @@ def clean_env() -> dict[str, str]:
 def free_port() -> int:
     """A port free now on loopback for rank 0's store, below Linux's ephemeral ports (32768+): ranks bind it
     seconds later, and a port of that range may meanwhile become the local end of any outgoing connection
-    (megascale.ft.launcher._free_port says more)."""
+    (CI saw torchrun fail with EADDRINUSE so; megascale-ft's launcher binds its store's socket first)."""
     for port in random.SystemRandom().sample(range(12768, 32768), 64):
         with socket.socket() as s:
             try:

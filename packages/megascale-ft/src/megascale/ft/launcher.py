@@ -136,34 +136,6 @@ class RunReport:
         return "\n".join(lines)
 
 
-def _free_port(host: str) -> int:
-    """A port free on ``host`` now, for torchrun's store, chosen below the kernel's ephemeral range.
-
-    torchrun binds it seconds later (once Python and torch are up). A port from the ephemeral range (what
-    binding port 0 gives) may meanwhile become the local end of any outgoing connection on the machine, and
-    torchrun then fails with EADDRINUSE (CI saw it); below that range only another listener can take it."""
-    low = _ephemeral_ports_start()
-    start, rng = max(1024, low - 20000), secrets.SystemRandom()
-    for _ in range(64 if low - start >= 1000 else 0):  # an ephemeral range from ~1024 leaves none below
-        port = rng.randrange(start, low)
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-            except OSError:  # taken (or in TIME_WAIT): another
-                continue
-        return port
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-def _ephemeral_ports_start() -> int:
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768  # Linux's default (macOS starts at 49152: below it as well)
-
-
 @dataclass(frozen=True)
 class Rendezvous:
     """One attempt's torchrun c10d rendezvous across nodes: ``nnodes`` agents meet at ``endpoint``
@@ -177,21 +149,21 @@ class Rendezvous:
 
 def _torchrun(nproc: int, command: list[str], rendezvous: Rendezvous | None = None) -> list[str]:
     """torchrun for ``command`` (``script.py args`` or ``-m module args``; a leading ``python`` is dropped):
-    this machine alone on a fresh loopback port, or one node of a c10d ``rendezvous``."""
+    this machine alone, its store on loopback (`megascale.ft.torchrun`), or one node of a c10d ``rendezvous``."""
     if command and Path(command[0]).name.startswith("python"):
         command = command[1:]
     if not command:
         raise ValueError("no training command: give it after '--', e.g. -- train.py --steps 100")
-    if rendezvous is None:
-        where = ["--master-addr=127.0.0.1", f"--master-port={_free_port('127.0.0.1')}"]
+    if rendezvous is None:  # this machine alone: torchrun with its store bound to loopback first
+        module, where = "megascale.ft.torchrun", []
     else:  # is_host=false: the driver hosts the store, so any node may be evicted or replaced
-        where = [
+        module, where = "torch.distributed.run", [
             f"--nnodes={rendezvous.nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rendezvous.endpoint}",
             f"--rdzv-id={rendezvous.run_id}",
             f"--rdzv-conf=is_host=false,join_timeout={int(rendezvous.join_timeout)}",
         ]  # fmt: skip
     return [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", *where, "--max-restarts=0",
+        sys.executable, "-m", module, f"--nproc-per-node={nproc}", *where, "--max-restarts=0",
         f"--monitor-interval={TORCHRUN_MONITOR_S}", *command,
     ]  # fmt: skip
 
@@ -343,6 +315,7 @@ class Launcher:
 
     def _localise_hang(self, server: HeartbeatServer, attempt: int, fault: Fault) -> Fault:
         """Every rank's stacks, before the tree is killed; the ranks that stand out go into the fault."""
+        from megascale.ft.hang_map import write_hang_map
         from megascale.ft.stacks import collect_stacks, localise
 
         # SIGUSR1 ends a process without the handler: only ranks whose pid still names them
@@ -351,6 +324,8 @@ class Launcher:
         directory = self._stacks_dir(attempt)
         report = localise(collect_stacks(pids, directory), sorted(pids), str(directory))
         log.error("hang: %s (stacks in %s)", report.summary(), directory)
+        assert self.monitor is not None
+        write_hang_map(directory, self.monitor.coords, report, list(range(self.monitor.world_size)))
         return replace(fault, stacks=report.to_json())
 
     def _self_check(self, attempt: int) -> dict[str, Any]:
