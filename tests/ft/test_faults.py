@@ -73,6 +73,7 @@ def test_a_fault_is_detected_and_the_restarted_run_ends_bitwise_equal(fault, uni
         # a library's under load: contextlib's once in CI)
         assert "ft_ddp.py" in Path(stacks["files"][str(rank)]).read_text(), stacks
         assert all(Path(f).is_file() for f in stacks["files"].values()) and len(stacks["files"]) == 2
+        assert Path(stacks["map"]).is_file() and f"rank {1 - rank} waits for rank {rank} (world)" in output
         assert f"rank {rank} differs, in" in output
     if skipped is not None:  # the damaged newest checkpoint was passed over for the one before it
         assert f"skipping checkpoint step-000000004 under {tmp_path / 'ckpt'}: {skipped}" in output, output[

@@ -203,6 +203,7 @@ def test_a_frozen_rank_on_another_node_is_named_from_every_rank_s_stacks(tmp_pat
     stacks = fault["stacks"]
     assert list(stacks["suspects"]) == ["3"] and "ft_ddp.py" in stacks["suspects"]["3"], stacks
     assert len(stacks["files"]) == 4 and all(Path(f).is_file() for f in stacks["files"].values())
+    assert Path(stacks["map"]).is_file()  # the hang map, beside the stacks the agents sent
     assert "rank 3 differs, in" in results["0"].stdout
     assert "heartbeats on https://127.0.0.1" in results["0"].stdout
 

@@ -468,6 +468,7 @@ class ClusterDriver:
 
     def _localise_hang(self, attempt: int, fault: Fault) -> Fault:
         """Every rank's stacks through its node's agent, before the trees are killed."""
+        from megascale.ft.hang_map import write_hang_map
         from megascale.ft.stacks import localise
 
         assert self.monitor is not None
@@ -492,8 +493,10 @@ class ClusterDriver:
             for rank, text in report.get("stacks", {}).items():
                 stacks[int(rank)] = text
                 (directory / f"rank-{int(rank):05d}.txt").write_text(text)
-        hang = localise(stacks, list(range(self.monitor.world_size)), str(directory))
+        ranks = list(range(self.monitor.world_size))
+        hang = localise(stacks, ranks, str(directory))
         log.error("hang: %s (stacks in %s)", hang.summary(), directory)
+        write_hang_map(directory, self.monitor.coords, hang, ranks)
         return replace(fault, stacks=hang.to_json())
 
     def monitor_beats(self) -> list[Heartbeat]:

@@ -136,12 +136,14 @@ def _waiting(frames: list[str]) -> bool:
 @dataclass
 class HangReport:
     """Who is stuck where: ``suspects`` (rank -> its innermost frame), every rank's innermost frame, the ranks
-    that sent no stack, and the files."""
+    that sent no stack, those waiting in a collective (or autograd waiting for one), and the files."""
 
     suspects: dict[int, str] = field(default_factory=dict)
     frames: dict[int, str] = field(default_factory=dict)
     silent: list[int] = field(default_factory=list)
     files: dict[int, str] = field(default_factory=dict)
+    waiting: list[int] = field(default_factory=list)
+    map: str | None = None  # the hang map's picture (`megascale.ft.hang_map`)
 
     def summary(self) -> str:
         if not self.suspects and not self.silent:
@@ -153,7 +155,8 @@ class HangReport:
     def to_json(self) -> dict[str, Any]:
         return {"suspects": {str(k): v for k, v in self.suspects.items()}, "summary": self.summary(),
                 "frames": {str(k): v for k, v in self.frames.items()}, "silent": self.silent,
-                "files": {str(k): v for k, v in self.files.items()}}  # fmt: skip
+                "files": {str(k): v for k, v in self.files.items()}, "waiting": self.waiting,
+                "map": self.map}  # fmt: skip
 
 
 def localise(
@@ -164,6 +167,7 @@ def localise(
     mains = {r: main_stack(stacks[r]) for r in ranks if r in stacks}
     report = HangReport(silent=[r for r in ranks if r not in stacks or not mains.get(r)])
     report.frames = {r: frames[0] for r, frames in mains.items() if frames}
+    report.waiting = [r for r, frames in mains.items() if frames and _waiting(frames)]
     if directory is not None:
         report.files = {r: str(Path(directory) / f"rank-{r:05d}.txt") for r in mains}
     signatures = Counter(tuple(frames) for frames in mains.values() if frames)
