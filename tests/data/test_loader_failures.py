@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -111,8 +112,9 @@ def test_a_killed_reader_is_an_error_and_leaves_no_shared_memory(shards):
     first = [next(it)[0] for _ in range(2)]
     assert not _ring_files(run_id)  # unlinked as soon as every rank mapped it
     os.kill(loader._process.pid, signal.SIGKILL)
-    with pytest.raises(DataSourceError, match="died"):
+    with pytest.raises(DataSourceError, match="died") as died:
         _drain(it, 10)
+    assert f"the data reader of node 0 ({socket.gethostname()}) (pid" in str(died.value)  # which machine
     loader.close()
     assert not _ring_files(run_id)
     again = WebLoader(_config(url), run_id=run_id)  # the next run starts cleanly, from the start

@@ -16,6 +16,7 @@ import contextlib
 import json
 import os
 import queue
+import socket
 import subprocess
 import threading
 import warnings
@@ -282,20 +283,25 @@ class WebLoader:
             present,
             self.config.timeout,
             lambda: None,
-            f"the data reader of node {self.node_rank} (local rank 0)",
+            f"the data reader of node {self._node} (local rank 0)",
         )
         return ShmRing.attach(found[-1])
+
+    @property
+    def _node(self) -> str:
+        # the attempt's node rank can change across restarts; the host says which machine to look at
+        return f"{self.node_rank} ({socket.gethostname()})"
 
     def _check(self) -> None:
         ring = self._ring
         assert ring is not None
         if ring.state == ERROR:
-            raise DataSourceError(f"the data reader of node {self.node_rank} failed:\n{ring.error()}")
+            raise DataSourceError(f"the data reader of node {self._node} failed:\n{ring.error()}")
         pid = ring.writer_pid or ring.creator_pid
         code = self._process.poll() if self._process is not None else None
         if code is not None or (pid and not pid_alive(pid)):
             raise DataSourceError(
-                f"the data reader of node {self.node_rank} (pid {pid}) died"
+                f"the data reader of node {self._node} (pid {pid}) died"
                 + (f" (exit code {code})" if code is not None else "")
                 + ": see its output above; the run cannot continue without it"
             )
