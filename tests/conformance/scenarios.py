@@ -277,10 +277,6 @@ def _no_sequence_parallel(layout: Layout) -> bool:
     return layout.tp > 1 and not layout.strategy.get("sequence_parallel", True)
 
 
-def _breaks_finetuning(layout: Layout) -> bool:
-    return layout.tp > 1 or layout.ep > 1 or (layout.pp > 1 and layout.zero >= 2)
-
-
 def _context_parallel(layout: Layout) -> bool:
     return layout.cp > 1
 
@@ -297,7 +293,6 @@ REFUSED: dict[str, list[tuple[Any, str]]] = {
     "swa": [(_sharded, "StochasticWeightAveraging cannot run under MegaScaleStrategy")],
     "manual": [(_pipelined, "manual optimization (automatic_optimization=False) cannot run")],
     "manual-accumulate": [(_pipelined, "manual optimization (automatic_optimization=False) cannot run")],
-    "finetuning": [(_breaks_finetuning, "(BaseFinetuning) cannot unfreeze under MegaScaleStrategy")],
     "lightning-grad-norm": [(_dtensor_grads, "expert-parallel or ZeRO-2/3 shards (DTensors)")],
     "torch-clip": [(_split_or_experts, "expert-parallel or ZeRO-2/3 shards (DTensors)")],
     "tied": [(_pipelined, "which different pipeline stages hold (tied weights)")],

@@ -16,12 +16,10 @@ that names the feature, the layout and what to do instead:
   pp > 1 sees its pipeline stage's gradients only: a norm it takes (Lightning's ``grad_norm``, torch's
   ``clip_grad_norm_``) covers that stage. It cannot be made whole there, so it is warned about, naming the
   readers and the whole-model alternatives (``megascale.lightning.grad_norm``, ``self.clip_gradients``).
-- ``BaseFinetuning.unfreeze_and_add_param_group`` drops parameters already in the optimizer by comparing
+- ``BaseFinetuning.unfreeze_and_add_param_group`` leaves out parameters already in the optimizer by comparing
   values (``torch.equal``) with every optimizer parameter, which raises for a DTensor against a plain tensor,
-  and is a collective between sharded ones, which deadlocked across pipeline stages (pp2 × dp2 ZeRO-2):
-  refused where the model holds both kinds (tensor parallelism, a model's own ``fully_shard``), DTensors of
-  several meshes (expert parallelism's experts beside ZeRO-2/3's dense shards) or sharded ones under pp, with
-  the two lines that do the same by hand. Freezing (``freeze_before_training``) and unfreezing by hand work
+  and is a collective over the whole world between sharded ones, which deadlocked across pipeline stages:
+  each such callback is given a filter that decides what one process would (`megascale.lightning.finetuning`),
   under every layout.
 """
 
@@ -30,10 +28,10 @@ from __future__ import annotations
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import BaseFinetuning, StochasticWeightAveraging
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from torch import nn
+from torch.distributed import ProcessGroup
 
-from megascale.core._dtensor import is_dtensor
 from megascale.core.parallel.mesh import ParallelDims
+from megascale.lightning import finetuning
 from megascale.lightning.weight_readers import gradient_readers
 
 __all__ = ["check_trainer_features"]
@@ -46,10 +44,15 @@ def _layout(dims: ParallelDims, zero_stage: int, ep: int = 1) -> str:
 
 
 def check_trainer_features(
-    trainer: Trainer, module: LightningModule, dims: ParallelDims, zero_stage: int, ep: int = 1
+    trainer: Trainer,
+    module: LightningModule,
+    dims: ParallelDims,
+    zero_stage: int,
+    ep: int = 1,
+    pp_group: ProcessGroup | None = None,
 ) -> None:
     """Refuse (ValueError) what the layout cannot do for this fit's callbacks and module; adapt what it can.
-    Called once the model is split, before the first step."""
+    Called once the model is split, before the first step; ``pp_group``: the pipeline stages' (pp > 1)."""
     layout = _layout(dims, zero_stage, ep)
     sharded = dims.tp > 1 or dims.pp > 1 or ep > 1 or (dims.dp > 1 and zero_stage >= 2)
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
@@ -61,16 +64,8 @@ def check_trainer_features(
                 "or 1, or keep an average of your own over pl_module.parameters() in a callback (an EMA), which "
                 "every layout runs"
             )
-        if isinstance(callback, BaseFinetuning) and _breaks_finetuning(module, dims):
-            raise ValueError(
-                f"{type(callback).__name__} (BaseFinetuning) cannot unfreeze under MegaScaleStrategy at {layout}: "
-                "its unfreeze_and_add_param_group compares every parameter by value with torch.equal, which fails "
-                "between the tensor- or expert-parallel shards (DTensors) and the plain or otherwise sharded "
-                "parameters this model holds, and deadlocks between sharded parameters of pipeline stages. In "
-                "finetune_function unfreeze by hand instead: `for p in modules.parameters(): p.requires_grad_(True)` "
-                "then `optimizer.add_param_group({'params': [those parameters], 'lr': ...})` (works under every "
-                "layout), or use tp=1 and ep=1 (and, with pp > 1, zero_stage 0 or 1)"
-            )
+        if isinstance(callback, BaseFinetuning):
+            finetuning.adapt(callback, pp_group)
     readers = gradient_readers(trainer)
     if readers and dims.pp > 1:
         rank_zero_warn(
@@ -86,11 +81,3 @@ def check_trainer_features(
             "hand cannot be interleaved with it. Use pp=1 (tp and ZeRO work with manual optimization), or "
             "automatic optimization"
         )
-
-
-def _breaks_finetuning(module: nn.Module, dims: ParallelDims) -> bool:
-    """DTensor and plain parameters mixed, or DTensors of several meshes (torch.equal raises on both), or
-    DTensor parameters under pp (torch.equal on sharded parameters is a collective: the ranks were seen
-    stopping in different ones, a deadlock)."""
-    meshes = {p.device_mesh if is_dtensor(p) else None for p in module.parameters()}  # type: ignore[attr-defined]
-    return len(meshes) > 1 or (dims.pp > 1 and meshes != {None})

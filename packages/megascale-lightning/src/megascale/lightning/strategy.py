@@ -367,7 +367,10 @@ class MegaScaleStrategy(ParallelStrategy):
         self._preemption = preemption.install(trainer)  # SIGTERM: finish the step, save, exit 0
         if trainer.state.fn == TrainerFn.FITTING:
             assert self.lightning_module is not None
-            check_trainer_features(trainer, self.lightning_module, self.dims, self.zero_stage, self.plan.ep)
+            pp_group = self.device_mesh["pp"].get_group() if self.dims.pp > 1 else None
+            check_trainer_features(
+                trainer, self.lightning_module, self.dims, self.zero_stage, self.plan.ep, pp_group
+            )
             self.setup_optimizers(trainer)
             self.runtime.zero.attach_optimizers(self.optimizers)
             if self._wait_timer is not None:
