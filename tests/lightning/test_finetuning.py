@@ -84,9 +84,15 @@ def test_pipeline_stages_see_the_whole_models_optimizer() -> None:
 
 def test_adapted_callback_unfreezes_through_lightnings_method_and_restores_it() -> None:
     class Finetune(BaseFinetuning):
+        calls = 0
+
         def freeze_before_training(self, pl_module: object) -> None: ...
 
         def finetune_function(self, pl_module: object, epoch: int, optimizer: object) -> None: ...
+
+        def unfreeze_and_add_param_group(self, *args: object, **kwargs: object) -> None:  # type: ignore[override]
+            self.calls += 1  # a callback's own override stays in charge
+            BaseFinetuning.unfreeze_and_add_param_group(*args, **kwargs)  # type: ignore[arg-type]
 
     torch.manual_seed(0)
     head, body = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
@@ -99,7 +105,7 @@ def test_adapted_callback_unfreezes_through_lightnings_method_and_restores_it() 
     adapt(callback, pp_group=None)
     with pytest.warns(UserWarning, match="already exist within another group"):
         callback.unfreeze_and_add_param_group(body, optimizer, lr=0.01)
-    assert BaseFinetuning.__dict__["filter_on_optimizer"] is original
+    assert BaseFinetuning.__dict__["filter_on_optimizer"] is original and callback.calls == 1
     assert body.weight.requires_grad and body.bias.requires_grad
     added = optimizer.param_groups[1]
     assert added["params"] == [body.weight] and added["lr"] == 0.01  # the equal bias left out, as Lightning

@@ -46,14 +46,14 @@ def adapt(callback: BaseFinetuning, pp_group: dist.ProcessGroup | None) -> None:
     """Give ``callback`` (this fit's) an ``unfreeze_and_add_param_group`` and ``filter_on_optimizer`` that
     work on split models; ``pp_group``: the pipeline stages' group (None without pp)."""
     keep = functools.partial(filter_on_optimizer, pp_group=pp_group)
-    lightnings = BaseFinetuning.unfreeze_and_add_param_group
+    theirs = callback.unfreeze_and_add_param_group  # Lightning's, or the callback's own override
 
     def unfreeze_and_add_param_group(*args: Any, **kwargs: Any) -> None:
-        # Lightning's own, with its class-qualified BaseFinetuning.filter_on_optimizer ours during the call
+        # as it was, with the class-qualified BaseFinetuning.filter_on_optimizer it calls ours during the call
         saved = BaseFinetuning.__dict__["filter_on_optimizer"]
         BaseFinetuning.filter_on_optimizer = staticmethod(keep)  # type: ignore[method-assign,assignment]
         try:
-            lightnings(*args, **kwargs)
+            theirs(*args, **kwargs)
         finally:
             BaseFinetuning.filter_on_optimizer = saved  # type: ignore[method-assign]
 
