@@ -10,7 +10,8 @@ Prints one markdown table with, on this machine's GPU and torch:
   causal's useful rate (the target for a window: >= 0.8x);
 - one training step at TinyLlama-1.1B shapes (d 2048, 22 layers, 32 heads / 4 KV, FFN 5632 SwiGLU, vocab
   32000, seq 2048, micro-batch 8; fp32 weights, bf16 autocast, fused AdamW, random tokens): megascale GPT
-  (sequential blocks, kernels auto), the same with a 1024-token window on every other layer, transformers'
+  (sequential blocks, kernels auto), the same with a 1024-token window on every other layer and with its
+  blocks compiled (ParallelPlan(compile=True)), transformers'
   LlamaForCausalLM (SDPA) eager and under torch.compile; tokens/s and MFU by torchtitan's count
   (6 x (parameters - embedding) + 12 x layers x d_model x seq per token, attention not halved for causal;
   peak 989 TFLOP/s bf16 for H100/H200, 312 for A100);
@@ -440,6 +441,24 @@ def part_train(
             out["windows" if windows else "megascale"] = result
             out.setdefault("flops_per_token", fpt)
             del model
+
+    name = "megascale GPT, blocks compiled (ParallelPlan(compile=True))"
+    if smoke:
+        table.add("train", case, name, note="skipped in --smoke: torch.compile costs ~1 min on a CPU")
+    elif budget.spent(reserve=90):
+        table.add("train", case, name, note="skipped: time budget spent")
+    else:
+        with guarded(table, "train", case + " " + name):
+            from megascale.core.parallel.compile import compile_blocks
+
+            torch.manual_seed(0)
+            model = GPT(_gpt_config(sizes)).to(device)
+            compile_blocks(model)
+            step_s, mem = _time_steps(model, lambda m=model: m(x, y), device, sizes, budget)
+            _train_row(table, case, name, TrainResult(step_s, mem, tokens / step_s), out["flops_per_token"], peak,
+                       out.get("megascale"), "vs: the eager megascale GPT above")  # fmt: skip
+            del model
+            torch._dynamo.reset()
 
     core, windowed = out.get("megascale"), out.get("windows")
     if core is not None:

@@ -241,6 +241,17 @@ def test_activation_checkpointing_keeps_the_numbers(tmp_path):
         _compare(result, reference, name)
 
 
+def test_compiled_blocks_keep_the_numbers(tmp_path):
+    """MegaScaleStrategy(compile=True): the GPT's blocks compiled in place (windowed and full-attention ones),
+    the same names in the checkpoint, the numbers of one eager process (the tolerances of _compare; inductor
+    reorders a few float32 roundings). tests/core/test_compile.py runs tp, pp and ZeRO-2 with AC."""
+    reference = fit([job("single", None, 1)], 1, tmp_path / "ref")["single"]
+    results = fit([job("dp2/zero1 compiled", dict(compile=True), 2)], 2, tmp_path)
+    for name, result in results.items():
+        _compare(result, reference, name)
+        assert result["weights"].keys() == reference["weights"].keys()
+
+
 def test_bf16_mixed_precision_trains_close_to_fp32(tmp_path):
     # bf16 autocast rounds matmul inputs to 8 mantissa bits. Losses: observed within 1.4e-4 of the fp32 run,
     # bound 2e-3. Weights (fp32 masters, fp32-reduced gradients): an AdamW step moves an element by at most

@@ -108,6 +108,9 @@ class MegaScaleStrategy(ParallelStrategy):
         activation_checkpointing: "none", "full" (recompute each block) or "selective" (attention core).
         checkpoint_modules: what activation checkpointing recomputes instead of the blocks: class names or
             module-name patterns (e.g. ["MyBlock"] or ["model.layers.*"]).
+        compile: compile each block the model lists in ``pipeline_layers()`` (a megascale GPT's) with
+            ``torch.compile``, in place: parameter names and checkpoints unchanged (torchtitan's per-block
+            compile; ``megascale.core.parallel.compile``).
         meta_init: build models on the meta device and materialise them after they are split, so no rank
             ever holds a whole model; each module is then initialised by its ``init_weights()`` or
             ``reset_parameters()`` (a module with neither is refused by name).
@@ -145,6 +148,7 @@ class MegaScaleStrategy(ParallelStrategy):
         bucket_size_mb: float = 25.0,
         activation_checkpointing: Literal["none", "full", "selective"] = "none",
         checkpoint_modules: list[str] | None = None,
+        compile: bool = False,
         meta_init: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -169,7 +173,7 @@ class MegaScaleStrategy(ParallelStrategy):
             sequence_parallel=sequence_parallel, overlap_tp_comm=overlap_tp_comm, tp_comm_chunks=tp_comm_chunks,
             overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather,
             bucket_size_mb=bucket_size_mb, activation_checkpointing=activation_checkpointing,
-            checkpoint_modules=tuple(checkpoint_modules or ()),
+            checkpoint_modules=tuple(checkpoint_modules or ()), compile=compile,
         )  # fmt: skip
         self.meta_init = meta_init
         self._replica_guard = ReplicaGuard(replica_check_steps)

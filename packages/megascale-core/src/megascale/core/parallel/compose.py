@@ -21,6 +21,7 @@ not. ``mesh`` is the ("dp", "pp", "cp", "tp") DeviceMesh of ``ParallelDims.build
    a GPT whose ``pretrained`` names a Hugging Face checkpoint reads its slices of it here, before ZeRO, so
    ZeRO-2/3 shard the loaded values);
 4. activation checkpointing — wraps the already-split blocks, so recomputation replays their collectives;
+4b. ``torch.compile`` of each block in place (``plan.compile``, ``parallel/compile.py``), names unchanged;
 5. data-parallel replicas made equal (rank 0's values), then ZeRO on "dp" (on "dp" × "cp" flattened when
    cp > 1: context-parallel ranks hold the same parameters and average their gradients) over *every* parameter of
    ``module`` (``zero.apply_zero``): units per block where the model lists its blocks, the rest under
@@ -192,6 +193,10 @@ def parallelize(
             f"pp={plan.pp}, cp={plan.cp}"
         )
     plan.check_model(module)
+    if plan.compile:
+        from megascale.core.parallel.compile import compile_targets
+
+        compile_targets(module)  # refused before anything is split
     user_fsdp = _check_foreign_sharding(module, mesh, dims)
     if user_fsdp and dims.cp > 1:
         raise ValueError(
@@ -240,11 +245,15 @@ def parallelize(
 
         make_replicated_grads_whole(module)
     rng = _model_parallel_rng(module, gpts, plan, mesh, device)
+    blocks = [b for stage in stages for b in stage.segments[1]] if stages else None
     if plan.activation_checkpointing != "none":  # 4.
-        blocks = [b for stage in stages for b in stage.segments[1]] if stages else None
         apply_activation_checkpointing(
             module, plan.activation_checkpointing, plan.checkpoint_modules, blocks, rng=rng
         )
+    if plan.compile:  # 4b.
+        from megascale.core.parallel.compile import compile_blocks
+
+        compile_blocks(module, blocks)
     _broadcast_replicas(module, replicas)  # 5.
     if edp_mesh is not None:
         from megascale.core.parallel.ep.apply import broadcast_expert_replicas

@@ -63,6 +63,8 @@ class ParallelPlan:
             of a megascale GPT).
         checkpoint_modules: what "full"/"selective" recompute instead of the defaults: class names or
             module-name patterns (``fnmatch``, e.g. ``"model.layers.*"``).
+        compile: compile each block the model lists in ``pipeline_layers()`` with ``torch.compile``, in place
+            (``megascale.core.parallel.compile``).
     """
 
     tp: int = 1
@@ -84,6 +86,7 @@ class ParallelPlan:
     bucket_size_mb: float = 25.0
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
     checkpoint_modules: tuple[str, ...] = field(default_factory=tuple)
+    compile: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "cp", "ep", "tp_comm_chunks", "ep_comm_chunks", "virtual_stages"):

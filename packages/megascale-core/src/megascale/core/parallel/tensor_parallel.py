@@ -31,6 +31,7 @@ on replicated activations matches across ranks; on sequence shards each rank mas
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -95,6 +96,15 @@ class _OnTPMesh:
 
     mesh: DeviceMesh
     wait_timer: WaitTimer
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "forward" in cls.__dict__:
+            # Under torch.compile (ParallelPlan.compile) their collectives, autograd functions carrying process
+            # groups and DTensor-to-local views run eagerly (dynamo cannot trace them): a compiled block's
+            # graph breaks around each TP layer, and what lies between them (attention core, activations,
+            # residuals) is compiled.
+            setattr(cls, "forward", torch.compiler.disable(cls.__dict__["forward"]))  # noqa: B010
 
     @property
     def group(self) -> dist.ProcessGroup:
