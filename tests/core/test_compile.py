@@ -5,7 +5,8 @@ the union batch, the tiny GPT, no dropout), with the blocks compiled, against on
 test_compose's (weights 1e-6, losses 1e-6): inductor fuses elementwise work and may reorder a reduction, a few
 float32 roundings; a wrong update moves weights by ~1e-3. Numbers cannot tell a block left uncompiled, so the
 tests also check which modules run compiled code (the blocks, nothing else).
-Compiling costs ~30 s per process and graph on CPU: the CI tier runs one process and dp2 × ZeRO-1.
+Compiling costs ~30 s per process and graph on CPU: the CI tier runs one process and dp2 × ZeRO-1; the slow
+tier tp2, pp2, cp2, ep2 and ZeRO-2 with full activation checkpointing.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ LAYOUTS = [
     pytest.param(
         dict(zero_stage=2, activation_checkpointing="full"), id="dp2-zero2-ac", marks=pytest.mark.slow
     ),
+    pytest.param(dict(cp=2), id="cp2", marks=pytest.mark.slow),
 ]
 
 
@@ -57,6 +59,19 @@ def test_compiled_blocks_train_like_one_eager_process(layout: dict[str, Any]) ->
         assert got["compiled"] and all(n.startswith("blocks.") for n in got["compiled"]), got["compiled"]
         assert blocks is None or set(got["compiled"]) == blocks, got["compiled"]
         _compare(got, want, f"compile {layout} rank {rank}")
+
+
+@pytest.mark.slow
+def test_compiled_moe_blocks_with_experts_over_ep_train_like_one_eager_process() -> None:
+    """The mixture-of-experts GPT of test_expert_parallel.py at ep2 (its tolerances: tokens per expert equal,
+    weights 1e-6): the router and experts in compiled blocks, the all-to-all dispatch eager between them."""
+    from tests.core import test_expert_parallel as moe
+
+    want = moe._reference(True)
+    layouts = [(dict(ep=2, zero_stage=0, compile=True), True)]
+    for rank, result in enumerate(run_distributed(moe._layout_worker, 2, layouts, timeout=600)):
+        for name, got in result.items():
+            moe._compare(got, want, f"compiled {name} rank {rank}")
 
 
 def test_one_process_compiles_each_listed_block_and_a_model_without_blocks_is_refused() -> None:

@@ -79,6 +79,7 @@ class ContextParallel:
             )
         return cos[pos], sin[pos]
 
+    @torch.compiler.disable  # collectives and a plan of Python blocks: eager inside a compiled block
     def attention(
         self,
         q: torch.Tensor,

@@ -95,6 +95,7 @@ class AllToAllDispatcher:
         self.local_experts = num_experts // self.ep
         self.chunks = chunks
 
+    @torch.compiler.disable  # all-to-alls of data-dependent sizes: eager inside a compiled block
     def __call__(self, rows: torch.Tensor, counts: torch.Tensor, experts: GroupedExperts) -> torch.Tensor:
         ep, local = self.ep, self.local_experts
         parts, indices = split_by_expert(counts, self.chunks)
