@@ -40,13 +40,16 @@ from megascale.core._dtensor import is_dtensor
 __all__ = ["adapt", "filter_on_optimizer"]
 
 Shape = tuple[int, ...]
+_ORIGINAL = "_megascale_unfreeze_and_add_param_group"
 
 
 def adapt(callback: BaseFinetuning, pp_group: dist.ProcessGroup | None) -> None:
     """Give ``callback`` (this fit's) an ``unfreeze_and_add_param_group`` and ``filter_on_optimizer`` that
     work on split models; ``pp_group``: the pipeline stages' group (None without pp)."""
     keep = functools.partial(filter_on_optimizer, pp_group=pp_group)
-    theirs = callback.unfreeze_and_add_param_group  # Lightning's, or the callback's own override
+    # Lightning's, or the callback's own override; kept from an earlier fit (whose groups are gone), not wrapped twice
+    theirs = callback.__dict__.get(_ORIGINAL) or callback.unfreeze_and_add_param_group
+    setattr(callback, _ORIGINAL, theirs)
 
     def unfreeze_and_add_param_group(*args: Any, **kwargs: Any) -> None:
         # as it was, with the class-qualified BaseFinetuning.filter_on_optimizer it calls ours during the call
