@@ -81,11 +81,21 @@ def dependencies(coords: Mapping[int, Mapping[str, int]], states: Mapping[int, s
     return out
 
 
+def _all_ranks(coords: Mapping[int, Any], report: HangReport, ranks: list[int] | None) -> list[int]:
+    """The job's ranks: those given, with coordinates, or in the report (one picture and log line for all)."""
+    return sorted(set(ranks or []) | set(coords) | set(report.frames) | set(report.silent))
+
+
+def _replicas(coords: Mapping[int, Mapping[str, int]], ranks: list[int]) -> list[tuple[int, int]]:
+    """The (dp, cp) replicas present, in order: the picture's columns."""
+    return sorted({(coords.get(r, {}).get("dp", 0), coords.get(r, {}).get("cp", 0)) for r in ranks})
+
+
 def _places(coords: Mapping[int, Mapping[str, int]], ranks: list[int]) -> dict[int, tuple[int, int, int]]:
     """(row, cell, slot) of each rank: row = pipeline stage, cell = (dp, cp) replica, slot = tp rank."""
     if not coords:
         return {rank: (0, i, 0) for i, rank in enumerate(ranks)}
-    cells = sorted({(coords.get(r, {}).get("dp", 0), coords.get(r, {}).get("cp", 0)) for r in ranks})
+    cells = _replicas(coords, ranks)
     return {
         r: (c.get("pp", 0), cells.index((c.get("dp", 0), c.get("cp", 0))), c.get("tp", 0))
         for r in ranks
@@ -111,7 +121,7 @@ def plot_hang_map(
     Figure, FigureCanvasAgg = _matplotlib()
     from matplotlib.patches import FancyArrowPatch, Patch, Rectangle
 
-    ranks = sorted(set(ranks or []) | set(coords) | set(report.frames) | set(report.silent))
+    ranks = _all_ranks(coords, report, ranks)
     states = rank_states(report, ranks)
     places = _places(coords, ranks)
     rows = 1 + max((p[0] for p in places.values()), default=0)
@@ -140,7 +150,7 @@ def plot_hang_map(
     ax.set_aspect("equal")
     if coords:
         ax.set_yticks([rows - 1 - r + 0.5 for r in range(rows)], [f"pp {r}" for r in range(rows)])
-        replicas = sorted({(coords.get(r, {}).get("dp", 0), coords.get(r, {}).get("cp", 0)) for r in ranks})
+        replicas = _replicas(coords, ranks)
         names = [f"dp {dp}" + (f" cp {cp}" if any(c for _, c in replicas) else "") for dp, cp in replicas]
         ax.set_xticks([i * width + slots / 2 for i in range(cells)], names)
         ax.set_xlabel("data-parallel replica (tensor-parallel ranks side by side)")
@@ -156,9 +166,11 @@ def plot_hang_map(
     _write_atomically(path, lambda f: fig.savefig(f, format="png", bbox_inches="tight"))
 
 
-def describe(coords: Mapping[int, Mapping[str, Any]], report: HangReport) -> str:
+def describe(
+    coords: Mapping[int, Mapping[str, Any]], report: HangReport, ranks: list[int] | None = None
+) -> str:
     """One line per dependency, for the log: "rank 2 waits for rank 5 (tp)"."""
-    states = rank_states(report, sorted(set(coords) | set(report.frames) | set(report.silent)))
+    states = rank_states(report, _all_ranks(coords, report, ranks))
     return "; ".join(
         f"rank {d.waiter} waits for rank {d.suspect} ({d.group})" for d in dependencies(coords, states)
     )
@@ -169,7 +181,7 @@ def write_hang_map(
 ) -> HangReport:
     """``directory/hang_map.png`` (beside the stacks) and the waits logged; the report, with the picture's
     path in ``map`` (None without matplotlib)."""
-    waits = describe(coords, report)
+    waits = describe(coords, report, ranks)
     if waits:
         log.error("hang: %s", waits)
     try:
