@@ -3,7 +3,7 @@
 Prints one markdown table with, on this machine's GPU and torch:
 - kernels: each fused kernel the registry picks (Triton/apex) against the torch reference eager and under
   torch.compile, forward and forward+backward, at LLM shapes (the first shape of each kernel in
-  benchmarks/kernels.py); GB/s of the bytes the fused kernel must move;
+  benchmarks/kernel_bench.py); GB/s of the bytes the fused kernel must move;
 - attention: SDPA causal, then window 1024 at T 4096 (B2, H32/8, hd128, bf16) through every backend that can
   run here (SDPA with a dense mask, FlexAttention, flash-attn 2, flash-attn 4), in useful TFLOP/s (the
   (query, key) pairs the mask keeps, 4·hd FLOPs each forward, 2.5x that backward) and as a ratio of SDPA
@@ -58,8 +58,8 @@ COLUMNS = ["part", "case", "path", "time", "rate", "vs", "memory", "note"]
 
 
 def _load_kernel_bench() -> Any:
-    """benchmarks/kernels.py as a module (under a name no installed package uses)."""
-    spec = importlib.util.spec_from_file_location("megascale_bench_kernels", HERE / "kernels.py")
+    """benchmarks/kernel_bench.py as a module (by path: this script may be loaded from elsewhere, e.g. a test)."""
+    spec = importlib.util.spec_from_file_location("megascale_bench_kernels", HERE / "kernel_bench.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up while the class is created

@@ -1,4 +1,4 @@
-"""benchmarks/kernels.py runs end to end on the CPU (one timed call, no torch.compile) and prints its table."""
+"""benchmarks/kernel_bench.py runs end to end on the CPU (one timed call, no torch.compile) and prints its table."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[3] / "benchmarks" / "kernels.py"
+SCRIPT = Path(__file__).resolve().parents[3] / "benchmarks" / "kernel_bench.py"
 
 
 def test_benchmark_runs_on_cpu(capsys: pytest.CaptureFixture[str]) -> None:

@@ -12,7 +12,7 @@ a table of kernel rates per GPU kind (``KernelRates``, ``rates.py``: each figure
   on this machine.
 - memory-bound kernels (norms, activation, rotary, cross-entropy, residual adds and casts, the optimizer): a
   fraction of HBM bandwidth forward and the backward's time as a multiple of the forward's, measured per
-  kernel on the H200 (``benchmarks/kernels.py``), the same fractions of the H100's bandwidth; on A100 one
+  kernel on the H200 (``benchmarks/kernel_bench.py``), the same fractions of the H100's bandwidth; on A100 one
   fraction (0.85) for all, backward twice the forward, the calibration that holds on Megatron's table.
 - fused attention: useful FLOP/s forward and backward as fractions of peak, measured on the H200 (SDPA
   causal; FlexAttention for a sliding window).

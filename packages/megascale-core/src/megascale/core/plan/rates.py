@@ -9,7 +9,7 @@ multiple of the forward's time), the optimizer at its fraction of HBM bandwidth.
 Sources (``KernelRates.sources`` carries them with the figures; ``megascale plan`` prints the table's name):
 
 - H200: one NVIDIA H200 on 2026-11-26 (torch 2.11, triton 3.6; ``/work/shared/data/gpu-h200-2026-11-26.md``):
-  ``benchmarks/kernels.py`` per kernel (GB/s of the bytes the fused kernel must move, forward and
+  ``benchmarks/kernel_bench.py`` per kernel (GB/s of the bytes the fused kernel must move, forward and
   forward + backward; attention in useful TFLOP/s, backward counted 2.5x the forward's FLOPs), the HBM figure
   4.8 TB/s with a device-to-device copy at ~4.3 TB/s (residual adds, casts, the optimizer), and the matmul
   efficiency fitted to the four megascale training steps measured there (``data/h200_2026_11_26.csv``;
@@ -80,7 +80,7 @@ class KernelRate:
 @dataclass(frozen=True)
 class AttentionRate:
     """A fused attention kernel: useful FLOP/s as fractions of peak, forward (4·hd FLOPs per (query, key) pair
-    and head) and backward (counted 2.5x the forward's FLOPs, as ``benchmarks/kernels.py`` counts them)."""
+    and head) and backward (counted 2.5x the forward's FLOPs, as ``benchmarks/kernel_bench.py`` counts them)."""
 
     forward: float
     backward: float
@@ -169,7 +169,7 @@ H200_HBM_GBPS = 4800.0
 
 
 def _measured(gbps_fwd: float, ms_fwd: float, ms_fwd_bwd: float) -> KernelRate:
-    """A kernel from ``benchmarks/kernels.py``'s H200 row: forward GB/s, forward and forward+backward times."""
+    """A kernel from ``benchmarks/kernel_bench.py``'s H200 row: forward GB/s, forward and forward+backward times."""
     return KernelRate(gbps_fwd / H200_HBM_GBPS, (ms_fwd_bwd - ms_fwd) / ms_fwd)
 
 
@@ -189,7 +189,7 @@ steps measured there (``published.fit_matmul_efficiency(published.h200_steps())`
 H200_MFU_CAP = 0.523
 """The best step measured on the H200, by ``StepEstimate.mfu``'s count (``published.best_measured_mfu``)."""
 
-_H200_FILE = "gpu-h200-2026-11-26.md (one H200, torch 2.11, triton 3.6), benchmarks/kernels.py"
+_H200_FILE = "gpu-h200-2026-11-26.md (one H200, torch 2.11, triton 3.6), benchmarks/kernel_bench.py"
 
 H200_RATES = KernelRates(
     name="h200, measured 2026-11-26",

@@ -24,8 +24,8 @@ The fused GPU backends cannot run there (Triton runs on the CPU only through its
 "fused" is the torch reference and the table says so. GPU timing: CUDA events around back-to-back calls
 after warm-up; CPU timing: the median of single calls timed with time.perf_counter.
 
-    python benchmarks/kernels.py                   # everything, sizes for this machine
-    python benchmarks/kernels.py --no-compile --kernels rms_norm cross_entropy
+    python benchmarks/kernel_bench.py                   # everything, sizes for this machine
+    python benchmarks/kernel_bench.py --no-compile --kernels rms_norm cross_entropy
 """
 
 from __future__ import annotations
