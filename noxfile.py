@@ -17,14 +17,21 @@
     nox -s demo         the main job: a real training run on the embedded default data
     nox -s chaos        the chaos soak: the main job's model under megascale-ft with random faults, 30 minutes
     nox -s benchmarks   print each benchmark's figures (slow; not part of CI)
+    nox -s lock         resolve .ci/constraints.txt anew: the newest releases the packages allow today
+    nox -s latest       the CI tier with the newest releases the packages allow (not the lock), all packages
+                        together; says which versions differ from the lock. Not part of CI's gate
 
-Every session installs torch first through .ci/constraints.txt, which pins the CPU build that lies on disk
-here; without the pin pip would resolve a multi-GB CUDA build. The packages themselves declare a range.
+Every session installs through .ci/constraints.txt, the lock: one version of every package CI installs, so a
+release upstream cannot turn main red between two commits. It is written by ``nox -s lock`` from
+.ci/pins.txt (torch pinned to the CPU build that lies on disk here: without it pip would resolve a multi-GB
+CUDA build) and the requirements below; refreshing it is a commit of its own. The packages themselves
+declare ranges; ``nox -s latest`` tests what those ranges give a user today.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
 import shutil
@@ -59,7 +66,8 @@ nox.options.error_on_missing_interpreters = True
 # (~4 GB at the peak: integration beside ft); `nox -s NAME` keeps it for reuse (`-r`).
 DISCARD_VENVS = "MEGASCALE_NOX_DISCARD_VENVS"
 
-CONSTRAINTS = ".ci/constraints.txt"
+CONSTRAINTS = ".ci/constraints.txt"  # the lock (nox -s lock)
+PINS = ".ci/pins.txt"  # what the lock and `latest` hold fixed by hand (torch's CPU build)
 TEST_DEPS = ["pytest>=8", "pytest-timeout>=2.3"]
 PACKAGES = {
     "core": "packages/megascale-core[triton]",
@@ -81,6 +89,10 @@ EXTRA_TEST_DEPS = {
 # written by transformers, read through safetensors).
 BENCH_DEPS = ["datasets>=2.19", "tokenizers>=0.19", "transformers>=4.51", "safetensors>=0.4"]
 DOCS_DEPS = ["mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26"]
+LINT_DEPS = ["ruff>=0.6"]
+TYPECHECK_DEPS = ["mypy>=1.10"]
+# nox itself (the README's test command installs it through the lock) and uv (`nox -s lock` resolves with it)
+TOOL_DEPS = ["nox", "uv"]
 
 
 def _discarded_under_ci(func: Callable[[nox.Session], None]) -> Callable[[nox.Session], None]:
@@ -98,18 +110,20 @@ def _discarded_under_ci(func: Callable[[nox.Session], None]) -> Callable[[nox.Se
     return run
 
 
-def _install(session: nox.Session, *requirements: str) -> None:
+def _install(session: nox.Session, *requirements: str, constraints: str = CONSTRAINTS) -> None:
     # --no-compile: byte-compiling all of torch, transformers and Lightning at install time took most of each
     # session's set-up (42 s of torch's 54 s here); Python compiles what a test imports, when it imports it.
-    session.install("--no-compile", "-c", CONSTRAINTS, "torch")  # first, so nothing can pull a CUDA build
+    session.install("--no-compile", "-c", constraints, "torch")  # first, so nothing can pull a CUDA build
     if requirements:
-        session.install("--no-compile", "-c", CONSTRAINTS, *requirements)
+        session.install("--no-compile", "-c", constraints, *requirements)
 
 
-def _pytest(session: nox.Session, *args: str) -> None:
+def _pytest(session: nox.Session, *args: str, locked: bool = True) -> None:
     # No pytest-xdist: on 2 cores the suites compute as much as they wait (every rank process imports torch and
     # Lightning); two test files at once made the fault tests slower (ft: 18 min against 11) and flaky.
-    session.run("python", "-m", "pytest", *args, *session.posargs, env={"PYTHONHASHSEED": "0"})
+    # MEGASCALE_LOCK: tests/test_packaging.py checks that the environment holds the lock's versions
+    env = {"PYTHONHASHSEED": "0", **({"MEGASCALE_LOCK": str(Path(CONSTRAINTS).resolve())} if locked else {})}
+    session.run("python", "-m", "pytest", *args, *session.posargs, env=env)
 
 
 def _mypy(session: nox.Session) -> None:
@@ -157,7 +171,7 @@ def slow(session: nox.Session) -> None:
 def integration(session: nox.Session) -> None:
     """All four packages installed together: the type check, and the tests that need several packages
     (tests/integration), CI tier."""
-    _install(session, "packages/megascale-core", *PACKAGES.values(), *TEST_DEPS, *BENCH_DEPS, "mypy>=1.10")
+    _install(session, "packages/megascale-core", *PACKAGES.values(), *TEST_DEPS, *BENCH_DEPS, *TYPECHECK_DEPS)
     _mypy(session)
     _pytest(session, *CI_TIER, "tests/integration")
 
@@ -209,6 +223,82 @@ def _echo(proc: subprocess.Popen, prefix: str, failures: list[str]) -> None:
             failures.append(line.rstrip()[:400])
 
 
+def _locked_requirements() -> list[str]:
+    """Everything any session installs: what `nox -s lock` resolves (local packages as ./ paths)."""
+    extras = [dep for deps in EXTRA_TEST_DEPS.values() for dep in deps]
+    local = [f"./{spec}" for spec in ["packages/megascale-core", *PACKAGES.values()]]
+    tools = [*TEST_DEPS, *BENCH_DEPS, *DOCS_DEPS, *LINT_DEPS, *TYPECHECK_DEPS, *TOOL_DEPS]
+    return [*local, *extras, *tools]
+
+
+@nox.session
+def lock(session: nox.Session) -> None:
+    """Resolve .ci/constraints.txt anew (uv pip compile): the newest releases every package CI installs
+    may have beside .ci/pins.txt, for every Python the packages support (markers where they differ). Run it
+    deliberately, commit the result alone, after `nox -s latest` passed with the same versions."""
+    session.install("-c", CONSTRAINTS, "uv")
+    requirements = Path(session.create_tmp(), "requirements.in")
+    requirements.write_text("\n".join(_locked_requirements()) + "\n")
+    local = [arg for name in PACKAGES for arg in ("--no-emit-package", f"megascale-{name}")]
+    session.run(
+        "uv", "pip", "compile", "--universal", "--python-version", "3.10", "--upgrade", "--quiet",
+        "--custom-compile-command", "nox -s lock", "-c", PINS, *local, str(requirements), "-o", CONSTRAINTS,
+    )  # fmt: skip
+    lines = Path(CONSTRAINTS).read_text().splitlines()
+    header = [
+        "# CI's lock: every package any nox session installs, one version each (per Python where markers say).",
+        f"# Written by `nox -s lock` from {PINS} and noxfile.py's requirement lists; do not edit by hand.",
+    ]
+    body = [line.replace(f"-r {requirements}", "-r noxfile.py") for line in lines]
+    Path(CONSTRAINTS).write_text("\n".join([*header, *body]) + "\n")
+    session.log(f"{CONSTRAINTS}: {sum(1 for line in body if '==' in line)} packages")
+
+
+def _lock_differences(session: nox.Session) -> list[str]:
+    """'name: locked X, installed Y' for each package of the session's environment the lock pins otherwise."""
+    from packaging.requirements import InvalidRequirement, Requirement
+    from packaging.utils import canonicalize_name
+
+    listing = session.run("python", "-m", "pip", "list", "--format=json", silent=True, log=False)
+    installed = {canonicalize_name(d["name"]): d["version"] for d in json.loads(str(listing))}
+    locked: dict[str, str] = {}
+    for line in Path(CONSTRAINTS).read_text().splitlines():
+        try:
+            req = Requirement(line)
+        except InvalidRequirement:
+            continue  # comments and "# via" annotations
+        if req.marker is None or req.marker.evaluate():  # nox's interpreter is the session's (python=None)
+            locked[canonicalize_name(req.name)] = str(req.specifier).removeprefix("==")
+    return [
+        f"{name}: locked {locked[name]}, installed {version}"
+        for name, version in sorted(installed.items())
+        if name in locked and locked[name] != version.split("+")[0]
+    ]
+
+
+@nox.session
+def latest(session: nox.Session) -> None:
+    """The CI tier, every package installed together at the newest releases the packages' declared ranges
+    allow (only .ci/pins.txt held: torch's CPU build), not the lock: what `pip install megascale-*` gives a user
+    today. Says first which versions differ from the lock. Not part of CI's gate: run it before `nox -s lock`,
+    and whenever a release upstream may matter (a new torch, Lightning or transformers)."""
+    deps = [dep for name in PACKAGES for dep in EXTRA_TEST_DEPS[name]]
+    _install(
+        session,
+        "packages/megascale-core",
+        *PACKAGES.values(),
+        *TEST_DEPS,
+        *deps,
+        *BENCH_DEPS,
+        constraints=PINS,
+    )
+    differences = _lock_differences(session)
+    session.log(f"{len(differences)} installed versions differ from {CONSTRAINTS}:")
+    for line in differences:
+        session.log(f"    {line}")
+    _pytest(session, *CI_TIER, "tests", locked=False)
+
+
 @nox.session
 def conformance(session: nox.Session) -> None:
     """The conformance matrix (tests/conformance): megascale-lightning and megascale-core installed alone, every
@@ -221,7 +311,7 @@ def conformance(session: nox.Session) -> None:
 @_discarded_under_ci
 def lint(session: nox.Session) -> None:
     """ruff over packages, tests, benchmarks and examples."""
-    session.install("ruff>=0.6")
+    session.install("-c", CONSTRAINTS, *LINT_DEPS)
     paths = ["packages", "tests", "benchmarks", "examples", "noxfile.py"]
     session.run("ruff", "check", *paths)
     session.run("ruff", "format", "--check", *paths)
@@ -230,7 +320,7 @@ def lint(session: nox.Session) -> None:
 @nox.session
 def typecheck(session: nox.Session) -> None:
     """mypy over the public packages."""
-    _install(session, "packages/megascale-core", *PACKAGES.values(), "mypy>=1.10")
+    _install(session, "packages/megascale-core", *PACKAGES.values(), *TYPECHECK_DEPS)
     _mypy(session)
 
 
@@ -238,7 +328,7 @@ def typecheck(session: nox.Session) -> None:
 @_discarded_under_ci
 def docs(session: nox.Session) -> None:
     """Build the documentation site; warnings are errors."""
-    session.install(*DOCS_DEPS)
+    session.install("-c", CONSTRAINTS, *DOCS_DEPS)
     session.run("mkdocs", "build", "--strict", "--site-dir", "site", env={"NO_MKDOCS_2_WARNING": "1"})
 
 
@@ -269,7 +359,7 @@ def chaos(session: nox.Session) -> None:
 
 @nox.session
 def benchmarks(session: nox.Session) -> None:
-    """Run every benchmark, or those named (``nox -s benchmarks -- kernels data``); figures go to the terminal,
+    """Run every benchmark, or those named (``nox -s benchmarks -- kernel_bench data``); figures go to the terminal,
     to be recorded in benchmarks/RESULTS.md with the command, date and machine."""
     _install(session, "packages/megascale-core", *PACKAGES.values(), *BENCH_DEPS)
     # _-prefixed modules are a benchmark's helpers, not benchmarks
