@@ -40,6 +40,9 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, workdir: str, ar
             world_size=world_size,
             timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
         )
+        # every rank past its connections before any may leave: a rank whose fn ends at once (a refusal) closed
+        # its sockets while a slower peer was still connecting ("Gloo connectFullMesh failed", CI 2026-12-06)
+        dist.barrier()
         result = fn(rank, world_size, *args)
         out.with_suffix(".result").write_bytes(pickle.dumps(result))
     except BaseException:

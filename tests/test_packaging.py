@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import sysconfig
 import tomllib
 from importlib import metadata
 from pathlib import Path
@@ -165,9 +166,12 @@ def test_this_environment_is_the_lock():
             locked[canonicalize_name(req.name)] = str(req.specifier).removeprefix("==")
     # pip, setuptools and wheel are the virtualenv's own seed; megascale's packages come from the tree
     seeded = {"pip", "setuptools", "wheel"}
+    # this environment's own installs, not copies a package vendors and puts on sys.path (setuptools' _vendor,
+    # once something imports setuptools)
+    site = sorted({sysconfig.get_path("purelib"), sysconfig.get_path("platlib")})
     drift = sorted(
         f"{name} {dist.version} (lock: {locked.get(name, 'absent')})"
-        for dist in metadata.distributions()
+        for dist in metadata.distributions(path=site)
         if (name := canonicalize_name(dist.metadata["Name"])) not in seeded
         and not name.startswith("megascale-")
         and locked.get(name) != dist.version.split("+")[0]
