@@ -325,11 +325,45 @@ class _FullySharded(ZeroRuntime):
     gathered between the micro-batches (nothing gathered twice per step); stage 3 still re-gathers them for
     each forward and backward, its reason to exist being that they are not all held at once. The first
     unit's gather of the next step is issued right after the optimizer step (both stages), so it overlaps
-    whatever comes before the next forward (the data load)."""
+    whatever comes before the next forward (the data load).
+
+    Backward and optimizer steps inside a root's forward (Lightning's manual optimization: training_step runs
+    inside the LightningModule's forward) are seen by hooks on the roots: FSDP2 would reduce-scatter only the
+    units that backward reached through their own outputs, and never the root's own parameters (its output,
+    which FSDP hooks, does not exist yet), so the runtime finishes FSDP's backward itself after each one, and
+    gathers the root's parameters again for the rest of that forward (after each reduction and step: fresh
+    values); they are sharded again when the forward ends, as after any step. The root's gathered parameters
+    follow their shards' ``requires_grad`` as their modules run (toggle_optimizer inside the forward)."""
 
     def __init__(self, stage: int, units: list) -> None:  # list[FSDPUnits]
         self.stage = stage
         self.units = units
+        self._inside_forward = 0  # roots' forwards now running (they may nest: a root calling another)
+        self._gathered_inside = False
+        self._hooks = [
+            hook
+            for tree in units
+            for hook in (
+                tree.root.register_forward_pre_hook(self._enter_root),
+                tree.root.register_forward_hook(self._leave_root),
+                *tree.follow_requires_grad(),
+            )
+        ]
+
+    def _enter_root(self, module: nn.Module, args: object) -> None:
+        self._inside_forward += 1
+
+    def _leave_root(self, module: nn.Module, args: object, output: object) -> None:
+        self._inside_forward -= 1
+        if not self._inside_forward and self._gathered_inside:
+            self._gathered_inside = False
+            for tree in self.units:
+                tree.root.reshard()  # between steps the shards are registered, as after any backward
+
+    def _gather_roots_inside_forward(self) -> None:
+        self._gathered_inside = True
+        for tree in self.units:
+            tree.gather_root()
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -344,9 +378,24 @@ class _FullySharded(ZeroRuntime):
                 units.root.set_requires_gradient_sync(True)
                 units.root.set_reshard_after_backward(True)
 
+    def after_backward(self) -> None:
+        if self._inside_forward:
+            for tree in self.units:
+                tree.finish_backward()
+            self._gather_roots_inside_forward()
+
     def after_optimizer_step(self, optimizer: Optimizer) -> None:
+        if self._inside_forward:
+            self._gather_roots_inside_forward()
+            return
         for units in self.units:
             units.prefetch_first_unit()
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        super().remove()
 
 
 def apply_zero(

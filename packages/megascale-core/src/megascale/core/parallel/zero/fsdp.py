@@ -51,6 +51,42 @@ class FSDPUnits:
         if self.units:
             self.units[0].unshard(async_op=True)
 
+    def finish_backward(self) -> None:
+        """FSDP2's end of backward, for a backward autograd ran without it: one run inside the root's own
+        forward (Lightning's manual optimization), before the root's output exists, where FSDP hooks it.
+        Every unit's gradient still unreduced is reduce-scattered (its parameters resharded); a unit already
+        reduced is left as it is (FSDP documents its post-backward as a no-op then)."""
+        self.root._get_fsdp_state()._root_post_backward_final_callback()  # FSDP2 has no public call for it
+
+    def follow_requires_grad(self) -> list[Any]:
+        """Forward pre-hooks on the modules holding the root's own parameters: each gives the gathered
+        parameter the ``requires_grad`` of its shard (the parameter optimizers hold, and so what Lightning's
+        toggle_optimizer sets) before the module runs. FSDP2 copies it only when it gathers, and the root stays
+        gathered through its whole forward, where user code toggles it. Returns the hooks' handles."""
+        by_module: dict[int, tuple[nn.Module, list[Any]]] = {}
+        for group in self.root._get_fsdp_state()._fsdp_param_groups:
+            for fsdp_param in group.fsdp_params:
+                module = fsdp_param._module_info.module
+                by_module.setdefault(id(module), (module, []))[1].append(fsdp_param)
+
+        def follow(fsdp_params: list[Any]) -> Any:
+            def hook(module: nn.Module, args: Any) -> None:
+                for fsdp_param in fsdp_params:
+                    gathered = getattr(fsdp_param, "_unsharded_param", None)
+                    wanted = fsdp_param.sharded_param.requires_grad
+                    if gathered is not None and gathered.requires_grad != wanted:
+                        gathered.requires_grad_(wanted)
+
+            return hook
+
+        return [module.register_forward_pre_hook(follow(params)) for module, params in by_module.values()]
+
+    def gather_root(self) -> None:
+        """The root's own parameters gathered again, from their current shards (after an optimizer step or a
+        reduction inside the root's forward: the rest of that forward reads them)."""
+        self.root.reshard()
+        self.root.unshard()
+
 
 def _bytes(modules: list[nn.Module]) -> int:
     return sum(p.numel() * p.element_size() for m in modules for p in m.parameters())
