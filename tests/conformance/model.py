@@ -181,12 +181,14 @@ class Net(nn.Module):
         mask_len = seq if features.get("mask_buffer") else 0
         heads = shape["heads"]
         kv_heads = heads if features.get("fused") else shape["kv_heads"]
-        self.blocks = nn.ModuleList(
+        blocks = [
             Block(width, heads, kv_heads, shape["bias"], bool(features.get("fused")), mask_len,
                   bool(features.get("layer_scale")), features.get("mask_buffer") == "cpu",
                   bool(features.get("moe")))
             for _ in range(shape["layers"])
-        )  # fmt: skip
+        ]  # fmt: skip
+        # flat: the blocks in an nn.Sequential of a model that lists no layers, so no ZeRO unit holds them
+        self.blocks = nn.Sequential(*blocks) if features.get("flat") else nn.ModuleList(blocks)
         self.head = Head(width, vocab, shape["bias"], bool(features.get("unused")))
         if features.get("tie") or features.get("tie_unplanned"):
             self.head.proj.weight = self.embed.weight  # type: ignore[assignment]
@@ -243,6 +245,13 @@ class Net(nn.Module):
         return loss if balancing is None else loss + balancing
 
 
+class FlatNet(Net):
+    """The same model as a user writes it without megascale in mind: no ``pipeline_layers()`` (so no pipeline,
+    and every parameter the FSDP root's own at ZeRO-2/3)."""
+
+    pipeline_layers = None  # type: ignore[assignment]
+
+
 def _seed(name: str) -> int:
     return zlib.crc32(name.encode())
 
@@ -253,7 +262,11 @@ class ConformanceModule(LightningModule):
     frozen: parameter-name substrings with requires_grad=False from the start ("drawn": the shape's); unused: a parameter no forward
     reads; layerdrop: block i is skipped on steps where (step + i) % 3 == 0; manual: two AdamW optimizers
     (blocks; embedding and head) stepped by hand in one training_step, the second forward reading what the
-    first step wrote; schedulers: a per-step warm-up and a per-epoch decay on one optimizer; log_grad_norm:
+    first step wrote ("single": one optimizer, zero_grad/backward/step; "accumulate": two batches a step;
+    "toggle": each step between toggle_optimizer and untoggle_optimizer, as Lightning's GAN example);
+    skip_odd_steps: optimizer_step runs the closure but steps only on even batches;
+    log_sum: a per-batch total logged with reduce_fx="sum" (training and validation);
+    flat: the model lists no layers and holds its blocks in an nn.Sequential (``FlatNet``); schedulers: a per-step warm-up and a per-epoch decay on one optimizer; log_grad_norm:
     "lightning" or "megascale": that library's grad_norm logged in on_before_optimizer_step; clip_in_module: configure_gradient_clipping
     clips by norm through Lightning's clip_gradients; torch_clip: ...through torch.nn.utils.clip_grad_norm_;
     sgd: plain SGD (for bf16-mixed, whose AdamW updates would hide a defect in rounding noise); eager: the
@@ -282,7 +295,7 @@ class ConformanceModule(LightningModule):
     def configure_model(self) -> None:
         if self.net is not None:
             return
-        self.net = Net(self.shape, self.features)
+        self.net = (FlatNet if self.features.get("flat") else Net)(self.shape, self.features)
         frozen = self.features.get("frozen", ())
         frozen = self.shape["frozen"] if frozen == "drawn" else frozen
         for name, p in self.named_parameters():
@@ -342,6 +355,10 @@ class ConformanceModule(LightningModule):
             return self._manual_step(batch)
         loss = self._loss(batch)
         self.log("train/loss", loss.detach(), on_step=True, sync_dist=True)
+        if self.features.get("log_sum"):  # a total over the batch's samples, summed over the ranks
+            self.log(
+                "train/loss_sum", loss.detach() * len(batch[0]), on_step=True, sync_dist=True, reduce_fx="sum"
+            )
         if self.features.get("schedulers"):
             self.log("lr", self.optimizers().param_groups[0]["lr"], on_step=True)
         return loss
@@ -349,16 +366,32 @@ class ConformanceModule(LightningModule):
     def _manual_step(self, batch: Any) -> None:
         if self.features["manual"] == "accumulate":  # one optimizer, stepped every second batch
             return self._manual_accumulation(batch)
+        if self.features["manual"] == "single":  # one optimizer, the loop Lightning's docs show
+            optimizer = self.optimizers()
+            loss = self._loss(batch)
+            optimizer.zero_grad()  # type: ignore[union-attr]
+            self.manual_backward(loss)
+            optimizer.step()  # type: ignore[union-attr]
+            self.log("train/loss", loss.detach(), on_step=True, sync_dist=True)
+            return None
         first, second = self.optimizers()  # type: ignore[misc]
+        toggle = self.features["manual"] == "toggle"  # Lightning's GAN example: only one optimizer's grads
+        if toggle:
+            self.toggle_optimizer(first)
         loss = self._loss(batch)
         first.zero_grad()
         self.manual_backward(loss)
         first.step()
+        if toggle:
+            self.untoggle_optimizer(first)
+            self.toggle_optimizer(second)
         # the second forward reads what the first step wrote (a GAN's discriminator step after the generator's)
         loss2 = self._loss(batch)
         second.zero_grad()
         self.manual_backward(loss2)
         second.step()
+        if toggle:
+            self.untoggle_optimizer(second)
         self.log("train/loss", loss.detach(), on_step=True, sync_dist=True)
         self.log("train/loss2", loss2.detach(), on_step=True, sync_dist=True)
         return None
@@ -373,7 +406,10 @@ class ConformanceModule(LightningModule):
         self.log("train/loss", loss.detach(), on_step=True, sync_dist=True)
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
-        self.log("val/loss", self._loss(batch), on_epoch=True, sync_dist=True)
+        loss = self._loss(batch)
+        self.log("val/loss", loss, on_epoch=True, sync_dist=True)
+        if self.features.get("log_sum"):
+            self.log("val/loss_sum", loss * len(batch[0]), on_epoch=True, sync_dist=True, reduce_fx="sum")
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         which = self.features.get("log_grad_norm")
@@ -383,6 +419,14 @@ class ConformanceModule(LightningModule):
             from megascale.lightning import grad_norm as whole_grad_norm
 
             self.log_dict(whole_grad_norm(self, norm_type=2))
+
+    def optimizer_step(
+        self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None
+    ) -> None:
+        if self.features.get("skip_odd_steps") and batch_idx % 2 == 1:
+            optimizer_closure()  # training_step and backward, no step: Lightning's documented pattern
+            return
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
 
     def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: Any = None,
                                     gradient_clip_algorithm: Any = None) -> None:  # fmt: skip
@@ -396,7 +440,7 @@ class ConformanceModule(LightningModule):
 
     def configure_optimizers(self) -> Any:
         assert self.net is not None
-        if self.features.get("manual") == "accumulate":
+        if self.features.get("manual") in ("accumulate", "single"):
             return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=LR, eps=EPS)
         if self.features.get("manual"):
             blocks = [p for p in self.net.blocks.parameters() if p.requires_grad]

@@ -77,7 +77,8 @@ LAYOUTS = [
     Layout("ep2", dict(ep=2, zero_stage=0), 2),
     Layout("ep2/zero1-params", dict(ep=2, zero_stage=1, zero1_sharding="parameters"), 2),
     Layout("ep2×dp2/zero3", dict(ep=2, zero_stage=3), 4),
-    Layout("ep2×pp2", dict(ep=2, pp=2, zero_stage=1, zero1_sharding="parameters"), 4),
+    # zero1_sharding left out: the strategy chooses "parameters", what ep needs (as ep2/zero1-params gives it)
+    Layout("ep2×pp2", dict(ep=2, pp=2, zero_stage=1), 4),
 ]
 LAYOUT = {layout.name: layout for layout in LAYOUTS}
 
@@ -150,6 +151,28 @@ SCENARIOS = [
         trainer=dict(max_epochs=3),
     ),
     Scenario(
+        "manual-toggle",
+        "Lightning's GAN example: toggle_optimizer/untoggle_optimizer around each of two optimizers, a model "
+        "listing no layers",
+        features=dict(manual="toggle", flat=True),
+    ),
+    Scenario(
+        "manual-flat",
+        "manual optimization, one optimizer, of a model listing no layers (blocks in an nn.Sequential)",
+        features=dict(manual="single", flat=True),
+    ),
+    Scenario(
+        "manual-flat-two",
+        "the same model, two optimizers stepped in one training_step (a GAN's loop)",
+        features=dict(manual=True, flat=True),
+    ),
+    Scenario(
+        "skip-steps",
+        "optimizer_step overridden to run the closure and skip the step on odd batches",
+        features=dict(skip_odd_steps=True),
+        trainer=dict(max_epochs=3),
+    ),
+    Scenario(
         "schedulers",
         "a per-step warm-up and a per-epoch decay on one optimizer",
         features=dict(schedulers=True),
@@ -192,6 +215,13 @@ SCENARIOS = [
     Scenario(
         "validation",
         "validation every batch mid-epoch (val_check_interval=1)",
+        trainer=dict(val_check_interval=1),
+        validate=True,
+    ),
+    Scenario(
+        "log-sum",
+        'totals logged with sync_dist=True, reduce_fx="sum" (each sample counted once), validation too',
+        features=dict(log_sum=True),
         trainer=dict(val_check_interval=1),
         validate=True,
     ),
@@ -293,6 +323,14 @@ REFUSED: dict[str, list[tuple[Any, str]]] = {
     "swa": [(_sharded, "StochasticWeightAveraging cannot run under MegaScaleStrategy")],
     "manual": [(_pipelined, "manual optimization (automatic_optimization=False) cannot run")],
     "manual-accumulate": [(_pipelined, "manual optimization (automatic_optimization=False) cannot run")],
+    # a model listing no layers cannot be split into stages: said before manual optimization's own refusal
+    "manual-toggle": [
+        (_pipelined, "pipeline parallelism needs exactly one model offering pipeline_layers()")
+    ],
+    "manual-flat": [(_pipelined, "pipeline parallelism needs exactly one model offering pipeline_layers()")],
+    "manual-flat-two": [
+        (_pipelined, "pipeline parallelism needs exactly one model offering pipeline_layers()")
+    ],
     "lightning-grad-norm": [(_dtensor_grads, "expert-parallel or ZeRO-2/3 shards (DTensors)")],
     "torch-clip": [(_split_or_experts, "expert-parallel or ZeRO-2/3 shards (DTensors)")],
     "tied": [(_pipelined, "which different pipeline stages hold (tied weights)")],

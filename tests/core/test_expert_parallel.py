@@ -244,6 +244,15 @@ def test_every_expert_parallel_layout_trains_like_one_process(world: int, layout
                 _compare(result[repr((kw, a))], want, f"{kw}, rank {rank}")
 
 
+def test_zero1_sharding_left_out_is_the_layouts_choice() -> None:
+    assert ParallelPlan(ep=2, zero_stage=1).zero1_sharding == "parameters"  # what ep needs
+    assert ParallelPlan(zero_stage=1).zero1_sharding == "elements"
+    given = ParallelPlan(
+        ep=2, zero1_sharding="elements"
+    )  # kept as given (and refused by check_expert_parallel)
+    assert given.zero1_sharding == "elements"
+
+
 @pytest.mark.parametrize(
     ("kw", "config", "message"),
     [
@@ -253,7 +262,11 @@ def test_every_expert_parallel_layout_trains_like_one_process(world: int, layout
             {"moe": None},
             "ep=2: expert parallelism splits a mixture of experts, and this GPT has none",
         ),
-        (dict(ep=2, zero_stage=1), {}, "ep=2 with zero_stage=1 needs zero1_sharding='parameters'"),
+        (
+            dict(ep=2, zero_stage=1, zero1_sharding="elements"),
+            {},
+            "ep=2 with zero_stage=1 needs zero1_sharding='parameters'",
+        ),
     ],
 )
 def test_what_a_mixture_of_experts_layout_cannot_do_is_refused_by_name(

@@ -159,6 +159,7 @@ def test_inspect_names_the_keys_when_no_record_has_the_text_field(tmp_path, caps
 
 
 def test_inspect_after_a_corrupt_file_is_not_exact(tmp_path, capsys):
+    pytest.importorskip("zstandard")  # the [zstd] extra, as test_formats.py
     from tests.data._shards import write_jsonl_files
 
     write_jsonl_files(str(tmp_path), 2, 2000, zstd=True)

@@ -152,7 +152,7 @@ def test_cli_yaml_with_the_strategy_trains_and_converts(tmp_path):
     cmd = [sys.executable, "-m", "megascale.lightning.cli", "fit", "--config", "tp2_dp2_cpu.yaml", *_TINY_TP2]
     proc = subprocess.run(cmd, cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "dp=2 × pp=1 × tp=2" in proc.stdout + proc.stderr
+    assert "dp=2 × pp=1 × cp=1 × tp=2" in proc.stdout + proc.stderr
     metrics = next((tmp_path / "lightning_logs").rglob("metrics.csv"))
     rows = [r for r in csv.DictReader(metrics.open()) if r.get("train/loss")]
     assert len(rows) == 3 and all(float(r["train/loss"]) > 0 for r in rows)
@@ -177,7 +177,7 @@ def test_cli_yaml_with_tensor_and_pipeline_parallelism(tmp_path):
     cmd = [sys.executable, "-m", "megascale.lightning.cli", "fit", "--config", "tp2_pp2_cpu.yaml", *tiny]
     proc = subprocess.run(cmd, cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "dp=1 × pp=2 × tp=2" in proc.stdout + proc.stderr
+    assert "dp=1 × pp=2 × cp=1 × tp=2" in proc.stdout + proc.stderr
     metrics = next((tmp_path / "lightning_logs").rglob("metrics.csv"))
     rows = list(csv.DictReader(metrics.open()))
     assert len([r for r in rows if r.get("train/loss")]) == 3
@@ -283,6 +283,23 @@ def test_strategy_alias_is_registered():
         accelerator="cpu", devices=1, strategy="megascale", logger=False, enable_checkpointing=False
     )
     assert isinstance(trainer.strategy, MegaScaleStrategy)
+
+
+def test_world_size_and_rank_are_known_before_fit(monkeypatch):
+    # as under DDPStrategy: Lightning asks the strategy for them when the Trainer is built
+    from lightning.pytorch import Trainer
+
+    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=MegaScaleStrategy(ep=2), logger=False)
+    assert (trainer.world_size, trainer.global_rank) == (2, 0)
+    strategy = trainer.strategy
+    assert isinstance(strategy, MegaScaleStrategy) and strategy.plan.zero1_sharding == "parameters"
+    line = strategy._layout_line(strategy.plan.dims(2))
+    assert line == (
+        "dp=2 × pp=1 × cp=1 × tp=1 × ep=2 (edp=1) (world 2), "
+        "ZeRO stage 1 (zero1_sharding='parameters', chosen for this layout)"
+    ), line
 
 
 def test_every_strategy_argument_is_settable_from_yaml(tmp_path):

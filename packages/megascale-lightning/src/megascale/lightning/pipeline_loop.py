@@ -3,9 +3,10 @@
 With pp > 1 one ``training_step`` is one whole pipeline step: the model's call runs the schedule over every
 microbatch, backward included (``megascale.core.parallel.pipeline``). Lightning's automatic optimisation
 zero-grads *between* training_step and backward, which would wipe those gradients, and would not have
-cleared the previous step's before the schedule accumulated onto them. So: zero before the first schedule of
-an optimizer step, set the gradients aside across Lightning's zero_grad, and give them back in backward
-(where Lightning's own backward has nothing left to do).
+cleared the previous batch's before the schedule accumulated onto them. So: zero before the schedule where
+Lightning zero-grads (the first batch of each accumulation window, whether or not the last window ended in an
+optimizer step: an ``optimizer_step`` override may skip it), set the gradients aside across Lightning's
+zero_grad, and give them back in backward (where Lightning's own backward has nothing left to do).
 """
 
 from __future__ import annotations
@@ -24,18 +25,16 @@ class PipelineLoop:
 
     def __init__(self, pipeline: Any, model: nn.Module) -> None:
         self.pipeline, self.model = pipeline, model
-        self._step_done = True  # the last optimizer step consumed the gradients: zero them before the next
         self._set_aside: list[tuple[Tensor, Tensor]] = []
 
     @contextmanager
-    def step(self, accumulate_grad_batches: int) -> Iterator[None]:
-        """Around one training_step (the schedule's forward and backward)."""
+    def step(self, accumulate_grad_batches: int, batch_idx: int) -> Iterator[None]:
+        """Around one training_step (the schedule's forward and backward) of batch ``batch_idx``."""
         # Lightning divides the loss by accumulate_grad_batches before its backward; ours runs in the schedule
         self.pipeline.loss_scale = 1.0 / accumulate_grad_batches
-        if self._step_done:
+        if batch_idx % accumulate_grad_batches == 0:  # where Lightning's closure calls zero_grad
             for p in self.model.parameters():
                 p.grad = None
-            self._step_done = False
         yield
         self._set_aside = [(p, p.grad) for p in self.model.parameters() if p.grad is not None]
         for param, _ in self._set_aside:
@@ -46,7 +45,3 @@ class PipelineLoop:
         for param, grad in self._set_aside:
             param.grad = grad
         self._set_aside = []
-
-    def step_done(self) -> None:
-        """After the optimizer step: the next step starts from zero gradients."""
-        self._step_done = True

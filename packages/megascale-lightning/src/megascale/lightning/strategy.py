@@ -45,6 +45,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -96,7 +97,8 @@ class MegaScaleStrategy(ParallelStrategy):
         zero1_sharding: ZeRO-1's split of the optimizer state: "elements" (gradients reduce-scattered, each
             rank steps 1/dp of every bucket, new values all-gathered: DDP's bytes; elementwise optimizers such
             as AdamW, and LAMB) or "parameters" (each parameter stepped whole by one rank: 1.5x DDP's bytes,
-            any optimizer).
+            any optimizer). None (the default): "parameters" with ep > 1 (which "elements" cannot run), else
+            "elements"; the start-up line says which.
         sequence_parallel: with tp > 1, run norms, dropout and residuals on sequence shards.
         overlap_tp_comm: split the TP all-gathers/reduce-scatters into chunks overlapped with the GEMMs.
         tp_comm_chunks: how many chunks.
@@ -139,7 +141,7 @@ class MegaScaleStrategy(ParallelStrategy):
         virtual_stages: int = 1,
         pipeline_split: list[int] | None = None,
         zero_stage: int = 1,
-        zero1_sharding: Literal["elements", "parameters"] = "elements",
+        zero1_sharding: Literal["elements", "parameters"] | None = None,
         sequence_parallel: bool = True,
         overlap_tp_comm: bool = True,
         tp_comm_chunks: int = 4,
@@ -175,6 +177,9 @@ class MegaScaleStrategy(ParallelStrategy):
             bucket_size_mb=bucket_size_mb, activation_checkpointing=activation_checkpointing,
             checkpoint_modules=tuple(checkpoint_modules or ()), compile=compile,
         )  # fmt: skip
+        self._zero1_sharding_given = (
+            zero1_sharding is not None
+        )  # else the layout's choice (the start-up line)
         self.meta_init = meta_init
         self._replica_guard = ReplicaGuard(replica_check_steps)
         self._process_group_backend = process_group_backend
@@ -299,10 +304,7 @@ class MegaScaleStrategy(ParallelStrategy):
         super().setup_environment()
         self._dims = self.validate_layout(self.num_nodes * self.num_processes, self.lightning_module)
         reset_seed()
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+        self.set_world_ranks()
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(
             self.root_device
         )
@@ -315,12 +317,27 @@ class MegaScaleStrategy(ParallelStrategy):
         self._mesh = self._mesh_for(self._dims)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._mesh
-        rank_zero_info(
-            f"MegaScaleStrategy: dp={self._dims.dp} × pp={self._dims.pp} × "
-            + (f"cp={self._dims.cp} × " if self._dims.cp > 1 else "")
-            + f"tp={self._dims.tp} "
-            f"(world {self._dims.world_size}), ZeRO stage {self.zero_stage}"
-        )
+        rank_zero_info(f"MegaScaleStrategy: {self._layout_line(self._dims)}")
+
+    def _layout_line(self, dims: ParallelDims) -> str:
+        """Every dimension of the layout and what ZeRO does: the start-up line."""
+        plan = self.plan
+        parts = [f"dp={dims.dp}", f"pp={dims.pp}", f"cp={dims.cp}", f"tp={dims.tp}"]
+        if plan.ep > 1:  # experts split over ep of the dp ranks; edp ranks hold the same experts
+            parts.append(f"ep={plan.ep} (edp={dims.dp // plan.ep})")
+        zero = f"ZeRO stage {self.zero_stage}"
+        if self.zero_stage == 1:
+            chosen = "" if self._zero1_sharding_given else ", chosen for this layout"
+            zero += f" (zero1_sharding={plan.zero1_sharding!r}{chosen})"
+        return f"{' × '.join(parts)} (world {dims.world_size}), {zero}"
+
+    def set_world_ranks(self) -> None:
+        """This process's rank and the world size, as DDPStrategy sets them (Lightning calls it when the Trainer
+        is built, so ``trainer.world_size`` and ``global_rank`` are right before ``fit``)."""
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
 
     def _mesh_for(self, dims: ParallelDims) -> DeviceMesh:
         given = self._given_mesh
@@ -423,7 +440,8 @@ class MegaScaleStrategy(ParallelStrategy):
             if self._pipeline_loop is None:
                 return self._redirected("training_step", *args, **kwargs)
             assert self.lightning_module is not None
-            with self._pipeline_loop.step(self.lightning_module.trainer.accumulate_grad_batches):
+            batch_idx = args[1] if len(args) > 1 else kwargs["batch_idx"]
+            with self._pipeline_loop.step(self.lightning_module.trainer.accumulate_grad_batches, batch_idx):
                 return self._redirected("training_step", *args, **kwargs)
 
     @override
@@ -471,8 +489,6 @@ class MegaScaleStrategy(ParallelStrategy):
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         result = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if self._pipeline_loop is not None:
-            self._pipeline_loop.step_done()
         self.runtime.zero.after_optimizer_step(getattr(optimizer, "_optimizer", optimizer))
         self._replica_guard.check_values(optimizer, self.model, self.runtime)
         if self._wait_after_step:
@@ -506,13 +522,40 @@ class MegaScaleStrategy(ParallelStrategy):
         dist.broadcast_object_list(container, src, group=_group.WORLD)
         return container[0]
 
+    def _data_parallel_group(self, group: Any) -> Any:
+        """``group`` where the caller names one, else the data-parallel ranks (those reading different samples):
+        the tp, pp and cp ranks of one replica hold the same values, so a sum or a gather over the world would
+        count each sample once per such rank."""
+        if group is not None or self._mesh is None or self._mesh.size() == 1:
+            return group
+        return self._mesh["dp"].get_group()
+
     @override
     def reduce(self, tensor: Any, group: Any = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
+        """``self.log(..., sync_dist=True)``'s reduction: over the data-parallel ranks (see
+        ``_data_parallel_group``); a DTensor (a value computed from sharded parameters) is made whole first."""
         if isinstance(tensor, Tensor):
+            if isinstance(tensor, DTensor):
+                tensor = tensor.full_tensor()
             # self.log(..., sync_dist=True) inside training_step: where a fast rank waits for a slow one
             with (self._wait_timer or untimed)("metric-sync"):
-                return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+                return _sync_ddp_if_available(tensor, self._data_parallel_group(group), reduce_op=reduce_op)
         return tensor
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any = None, sync_grads: bool = False) -> Tensor:
+        """``LightningModule.all_gather``: one entry per data-parallel rank (see ``_data_parallel_group``)."""
+        if isinstance(tensor, DTensor):
+            tensor = tensor.full_tensor()
+        return super().all_gather(tensor, self._data_parallel_group(group), sync_grads)
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        # every rank's own decision (Lightning compares the sum with the world size)
+        total = self.reduce(
+            torch.tensor(int(decision), device=self.root_device), group=_group.WORLD, reduce_op="sum"
+        )
+        return bool(total == self.world_size) if all else bool(total)
 
     # ---- checkpoints --------------------------------------------------------------------------------
 

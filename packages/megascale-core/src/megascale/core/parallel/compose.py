@@ -275,6 +275,7 @@ def parallelize(
             from megascale.core.parallel.ep.apply import shard_experts
 
             shard_experts(module, edp_mesh, stage=plan.zero_stage, param_dtype=param_dtype)
+        assert plan.zero1_sharding is not None  # ParallelPlan resolves None to the layout's choice
         zero = apply_zero(
             trees, replicas, stage=plan.zero_stage, bucket_size_mb=plan.bucket_size_mb,
             overlap_grad_reduce=plan.overlap_grad_reduce, overlap_param_gather=plan.overlap_param_gather,

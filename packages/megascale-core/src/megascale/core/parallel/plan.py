@@ -46,7 +46,8 @@ class ParallelPlan:
         zero1_sharding: how ZeRO-1 splits the optimizer state: "elements" (gradients reduce-scattered, each
             rank steps 1/dp of every bucket, new values all-gathered: DDP's bytes; elementwise optimizers such
             as AdamW, and LAMB) or "parameters" (each parameter stepped whole by one rank, gradients
-            all-reduced and new values broadcast: 1.5x DDP's bytes; any optimizer).
+            all-reduced and new values broadcast: 1.5x DDP's bytes; any optimizer). None (the default): the
+            layout's choice, "parameters" with ep > 1 (which "elements" cannot run), else "elements".
         num_microbatches: microbatches per step with pp > 1 (None: pp).
         schedule: pipeline schedule, one of ``SCHEDULES``.
         virtual_stages: stages per pipeline rank (the interleaved schedule).
@@ -73,7 +74,7 @@ class ParallelPlan:
     cp: int = 1
     ep: int = 1
     ep_comm_chunks: int = 2
-    zero1_sharding: Literal["elements", "parameters"] = "elements"
+    zero1_sharding: Literal["elements", "parameters"] | None = None
     num_microbatches: int | None = None
     schedule: Literal["1f1b", "interleaved", "gpipe"] = "1f1b"
     virtual_stages: int = 1
@@ -98,6 +99,8 @@ class ParallelPlan:
                 f"zero_stage={self.zero_stage!r}: ZeRO stages are 0 (replicate), 1 (shard optimizer state), "
                 "2 (+ gradients) and 3 (+ parameters)"
             )
+        if self.zero1_sharding is None:  # the layout's choice (see the docstring)
+            object.__setattr__(self, "zero1_sharding", "parameters" if self.ep > 1 else "elements")
         if self.zero1_sharding not in ("elements", "parameters"):
             raise ValueError(
                 f"zero1_sharding={self.zero1_sharding!r} must be 'elements' (reduce-scatter + all-gather) or "

@@ -79,8 +79,8 @@ class ShardedOptimizerStep:
         optimizer.step()                          # steps the pieces (a step post-hook ends it: end_step)
         optimizer.zero_grad()                     # the next forward waits for the all-gathered values
 
-    ``begin_step`` also runs from a step pre-hook when ``arm()`` was called after the reduction, so a plain
-    loop may leave it out. Call ``wait()`` before reading parameters outside a forward of ``module`` (the
+    ``begin_step`` also runs from a step pre-hook when ``arm()`` was called after the reduction and
+    ``step()`` is given no closure, so a plain loop may leave it out. Call ``wait()`` before reading parameters outside a forward of ``module`` (the
     gathers write into them in place).
 
     Args:
@@ -128,7 +128,7 @@ class ShardedOptimizerStep:
         self._signature: tuple[tuple[int, int], ...] | None = None
         self._refresh()
         self._step_hooks = [
-            optimizer.register_step_pre_hook(lambda *_: self._begin_if_armed()),
+            optimizer.register_step_pre_hook(lambda _, args, kwargs: self._begin_if_armed(args, kwargs)),
             optimizer.register_step_post_hook(lambda *_: self.end_step()),
         ]
 
@@ -179,7 +179,12 @@ class ShardedOptimizerStep:
         """The gradients were just reduce-scattered: the next ``optimizer.step()`` steps pieces."""
         self._armed = True
 
-    def _begin_if_armed(self) -> None:
+    def _begin_if_armed(self, args: tuple, kwargs: dict) -> None:
+        # Not with a closure: it recomputes the gradients inside step(), after this hook (Lightning's loop,
+        # which calls begin_step itself after it); the armed reduction may be of a batch that was not stepped.
+        closure = args[1] if len(args) > 1 else kwargs.get("closure")  # args[0]: the optimizer itself
+        if closure is not None:
+            return
         if self._armed and not self._swapped:
             self.begin_step()
 
