@@ -344,13 +344,15 @@ class ConformanceModule(LightningModule):
         inputs, targets = batch
         return self.net(inputs, targets)
 
-    def _set_layerdrop(self) -> None:
+    def _set_layerdrop(self, batch_idx: int) -> None:
         if self.features.get("layerdrop") and self.net is not None:
+            # "batch": by batch, so a block skipped in one micro-batch of an accumulation runs in the other
+            count = batch_idx if self.features["layerdrop"] == "batch" else self.global_step
             for i, block in enumerate(self.net.blocks):
-                block.active = (self.global_step + i) % 3 != 0
+                block.active = (count + i) % 3 != 0
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
-        self._set_layerdrop()
+        self._set_layerdrop(batch_idx)
         if self.features.get("manual"):
             return self._manual_step(batch)
         loss = self._loss(batch)

@@ -140,6 +140,12 @@ SCENARIOS = [
         trainer=dict(max_epochs=3),
     ),
     Scenario(
+        "layerdrop-accumulate",
+        "accumulate_grad_batches=2 with LayerDrop by batch: a block skipped in one micro-batch runs in the other",
+        features=dict(layerdrop="batch"),
+        trainer=dict(accumulate_grad_batches=2, max_epochs=3),
+    ),
+    Scenario(
         "manual",
         "manual optimization: two optimizers stepped in one training_step",
         features=dict(manual=True),

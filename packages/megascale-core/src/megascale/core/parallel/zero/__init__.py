@@ -340,6 +340,7 @@ class _FullySharded(ZeroRuntime):
         self.units = units
         self._inside_forward = 0  # roots' forwards now running (they may nest: a root calling another)
         self._gathered_inside = False
+        self._units_gathered_once = False  # see FSDPUnits.gather_units_once
         self._hooks = [
             hook
             for tree in units
@@ -352,6 +353,10 @@ class _FullySharded(ZeroRuntime):
 
     def _enter_root(self, module: nn.Module, args: object) -> None:
         self._inside_forward += 1
+        if not self._units_gathered_once:
+            self._units_gathered_once = True
+            for tree in self.units:
+                tree.gather_units_once()
 
     def _leave_root(self, module: nn.Module, args: object, output: object) -> None:
         self._inside_forward -= 1

@@ -81,6 +81,17 @@ class FSDPUnits:
 
         return [module.register_forward_pre_hook(follow(params)) for module, params in by_module.values()]
 
+    def gather_units_once(self) -> None:
+        """Gather and free every unit under the root but the root itself (gathered by its forward), once, on
+        every rank alike, before the first forward uses them: FSDP2 creates a parameter's gathered copy at its
+        first gather, and its post-backward under no_sync reads that copy for every parameter of every unit,
+        so a unit that the first micro-batch of an accumulation skipped (LayerDrop, an unrouted expert) failed
+        with "'FSDPParam' object has no attribute '_unsharded_param'"."""
+        for module in self.root.modules():
+            if module is not self.root and isinstance(module, FSDPModule):
+                module.unshard()
+                module.reshard()
+
     def gather_root(self) -> None:
         """The root's own parameters gathered again, from their current shards (after an optimizer step or a
         reduction inside the root's forward: the rest of that forward reads them)."""
