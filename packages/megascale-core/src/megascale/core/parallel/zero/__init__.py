@@ -333,7 +333,9 @@ class _FullySharded(ZeroRuntime):
     which FSDP hooks, does not exist yet), so the runtime finishes FSDP's backward itself after each one, and
     gathers the root's parameters again for the rest of that forward (after each reduction and step: fresh
     values); they are sharded again when the forward ends, as after any step. The root's gathered parameters
-    follow their shards' ``requires_grad`` as their modules run (toggle_optimizer inside the forward)."""
+    follow their shards' ``requires_grad`` as their modules run (toggle_optimizer inside the forward). Every
+    unit is gathered once at the first forward (``FSDPUnits.gather_units_once``), so one that the first
+    micro-batch of an accumulation skips still has what FSDP's post-backward reads."""
 
     def __init__(self, stage: int, units: list) -> None:  # list[FSDPUnits]
         self.stage = stage
