@@ -87,8 +87,9 @@ class FSDPUnits:
         first gather, and its post-backward under no_sync reads that copy for every parameter of every unit,
         so a unit that the first micro-batch of an accumulation skipped (LayerDrop, an unrouted expert) failed
         with "'FSDPParam' object has no attribute '_unsharded_param'"."""
-        for module in self.root.modules():
-            if module is not self.root and isinstance(module, FSDPModule):
+        root: nn.Module = self.root  # type: ignore[assignment]  # an FSDPModule is an nn.Module
+        for module in root.modules():
+            if module is not root and isinstance(module, FSDPModule):
                 module.unshard()
                 module.reshard()
 
