@@ -177,9 +177,8 @@ class MegaScaleStrategy(ParallelStrategy):
             bucket_size_mb=bucket_size_mb, activation_checkpointing=activation_checkpointing,
             checkpoint_modules=tuple(checkpoint_modules or ()), compile=compile,
         )  # fmt: skip
-        self._zero1_sharding_given = (
-            zero1_sharding is not None
-        )  # else the layout's choice (the start-up line)
+        # None: the layout chose ZeRO-1's sharding (the start-up line says so)
+        self._zero1_sharding_given = zero1_sharding is not None
         self.meta_init = meta_init
         self._replica_guard = ReplicaGuard(replica_check_steps)
         self._process_group_backend = process_group_backend
