@@ -28,7 +28,7 @@ def judge(cell: matrix.Cell, out: Path) -> Outcome:
     got = matrix.result(cell, out)
     want = matrix.result(cell.reference, out)
     assert want["status"] == "ok", (
-        f"the one-process reference failed: {want.get('error')}\n{want['rank_errors']}"
+        f"the one-process reference failed: {want.get('error')}\n{want.get('rank_errors', {})}"
     )
     refusal = None if cell.saved_under else expected_refusal(cell.scenario, layout)
     if refusal is not None:
@@ -37,7 +37,7 @@ def judge(cell: matrix.Cell, out: Path) -> Outcome:
         ranks = got["rank_errors"]
         assert len(ranks) == layout.world, f"only ranks {sorted(ranks)} refused: the others went on"
         return Outcome(cell, "refused", _first_line(got["error"]))
-    detail = "\n".join(got["rank_errors"].values())
+    detail = "\n".join(got.get("rank_errors", {}).values())  # none where the launch died ("missing")
     assert got["status"] == "ok", f"{got.get('error_type', '')}: {got.get('error')}\n{detail}"
     assert not got["rank_errors"], detail
     warning = None if cell.saved_under else expected_warning(cell.scenario, layout)

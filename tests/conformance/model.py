@@ -158,14 +158,29 @@ class Embeddings(nn.Module):
 
 
 class NextTokenLoss(nn.Module):
-    """The mean cross-entropy, in fp32, as a module (what the context_parallel_plan's "loss" names)."""
+    """The mean cross-entropy, in fp32, as a module (what the context_parallel_plan's "loss" names).
+
+    ``conditional_vocab``: also a small layer run only on the tokens whose target is below 3 (about one in 21)
+    and only when the batch has any, as ``if sel.any(): loss += extra(h[sel])`` in a user's model: in a step
+    one rank's data may use it and another's not."""
 
     ignore_index = -100
 
+    def __init__(self, conditional_vocab: int = 0) -> None:
+        super().__init__()
+        self.extra = nn.Linear(conditional_vocab, 1) if conditional_vocab else None
+
     def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(
+        loss = F.cross_entropy(
             logits.flatten(0, 1).float(), targets.flatten(), ignore_index=self.ignore_index
         )
+        if self.extra is not None:
+            sel = targets < 3
+            if (
+                sel.any()
+            ):  # a per-token term, normalised as the mean above (context parallelism rescales both)
+                loss = loss + self.extra(logits[sel].float()).pow(2).sum() / targets.numel()
+        return loss
 
 
 class Net(nn.Module):
@@ -192,7 +207,7 @@ class Net(nn.Module):
         self.head = Head(width, vocab, shape["bias"], bool(features.get("unused")))
         if features.get("tie") or features.get("tie_unplanned"):
             self.head.proj.weight = self.embed.weight  # type: ignore[assignment]
-        self.loss_fn = NextTokenLoss()
+        self.loss_fn = NextTokenLoss(vocab if features.get("conditional") else 0)
         # context parallelism: which module takes the tokens, which attend, which computes the loss
         self.context_parallel_plan = {"tokens": "embed", "attention": "blocks.*.attn", "loss": "loss_fn"}
 
@@ -265,7 +280,9 @@ class ConformanceModule(LightningModule):
     first step wrote ("single": one optimizer, zero_grad/backward/step; "accumulate": two batches a step;
     "toggle": each step between toggle_optimizer and untoggle_optimizer, as Lightning's GAN example);
     skip_odd_steps: optimizer_step runs the closure but steps only on even batches;
-    log_sum: a per-batch total logged with reduce_fx="sum" (training and validation);
+    conditional: a layer in the loss that only tokens with a small target run (``NextTokenLoss``), so ranks use
+    it in different steps; log_sum: a per-batch total logged with reduce_fx="sum" (training and validation); log_l2: the sum of every
+    parameter's squares, over ``self.parameters()`` inside training_step, logged with sync_dist=True;
     flat: the model lists no layers and holds its blocks in an nn.Sequential (``FlatNet``); schedulers: a per-step warm-up and a per-epoch decay on one optimizer; log_grad_norm:
     "lightning" or "megascale": that library's grad_norm logged in on_before_optimizer_step; clip_in_module: configure_gradient_clipping
     clips by norm through Lightning's clip_gradients; torch_clip: ...through torch.nn.utils.clip_grad_norm_;
@@ -361,6 +378,9 @@ class ConformanceModule(LightningModule):
             self.log(
                 "train/loss_sum", loss.detach() * len(batch[0]), on_step=True, sync_dist=True, reduce_fx="sum"
             )
+        if self.features.get("log_l2"):  # an L2 penalty over every parameter, logged (not trained on)
+            l2 = sum(p.float().pow(2).sum() for p in self.parameters())
+            self.log("train/l2", l2, on_step=True, sync_dist=True)
         if self.features.get("schedulers"):
             self.log("lr", self.optimizers().param_groups[0]["lr"], on_step=True)
         return loss

@@ -232,6 +232,16 @@ SCENARIOS = [
         validate=True,
     ),
     Scenario(
+        "conditional-layer",
+        "a layer run only when the batch holds some tokens (if sel.any(): loss += extra(h[sel])): ranks differ",
+        features=dict(conditional=True),
+    ),
+    Scenario(
+        "log-l2",
+        "an L2 penalty over self.parameters() computed in training_step, logged with sync_dist=True",
+        features=dict(log_l2=True),
+    ),
+    Scenario(
         "torch-clip",
         "the module clips with torch.nn.utils.clip_grad_norm_ itself and logs the norm",
         features=dict(torch_clip=True),
@@ -339,6 +349,18 @@ REFUSED: dict[str, list[tuple[Any, str]]] = {
     ],
     "lightning-grad-norm": [(_dtensor_grads, "expert-parallel or ZeRO-2/3 shards (DTensors)")],
     "torch-clip": [(_split_or_experts, "expert-parallel or ZeRO-2/3 shards (DTensors)")],
+    "conditional-layer": [
+        (_pipelined, "belong to no layer of its pipeline_layers()"),
+        (_context_parallel, "which context parallelism does not take in the loss module"),
+    ],
+    "log-l2": [
+        (_pipelined, "differs between the pipeline stages"),
+        # dense parameters DTensors on the dp mesh, experts on ("edp", "ep"): torch cannot add the two
+        (
+            lambda layout: layout.ep > 1 and layout.zero >= 2,
+            "combined parameters that MegaScaleStrategy holds",
+        ),
+    ],
     "tied": [(_pipelined, "which different pipeline stages hold (tied weights)")],
     "model-parallel-module": [
         (_pipelined, "the model applied fully_shard itself, and pp > 1"),

@@ -24,6 +24,7 @@ from typing_extensions import override
 
 from megascale.core._dtensor import is_dtensor, local
 from megascale.core.parallel.grad_clip import clip_grad_norm_
+from megascale.lightning.dtensor_errors import first_line
 
 __all__ = ["MegaScaleMixedPrecision", "MegaScalePrecision", "to_megascale_precision"]
 
@@ -60,7 +61,7 @@ class _GlobalNormClipping:
         except RuntimeError as error:
             if not any(is_dtensor(p.grad) for p in model.parameters() if p.grad is not None):
                 raise
-            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            first = first_line(error)
             raise RuntimeError(
                 "gradients read in on_before_optimizer_step or configure_gradient_clipping are tensor-parallel, "
                 "expert-parallel or ZeRO-2/3 shards (DTensors) under MegaScaleStrategy, and the code reading them "

@@ -56,11 +56,12 @@ from megascale.core.parallel.mesh import MESH_DIMS, ParallelDims
 from megascale.core.parallel.plan import ParallelPlan
 from megascale.core.parallel.replica_check import ReplicaGuard
 from megascale.core.parallel.wait_timer import ComputeTimer, Timers, WaitTimer, untimed
-from megascale.lightning import checkpoint_io, preemption
+from megascale.lightning import checkpoint_io, dtensor_errors, preemption
 from megascale.lightning.callback_support import check_trainer_features
 from megascale.lightning.memory_check import layout_memory_warning
 from megascale.lightning.pipeline_loop import PipelineLoop
 from megascale.lightning.precision import to_megascale_precision
+from megascale.lightning.stage_values import check_same_on_every_stage
 from megascale.lightning.weight_readers import gradient_readers, weight_readers_between_steps
 
 RNG_KEY = "megascale_rng"  # in meta.pt: every rank's dropout streams (tp / pp layouts)
@@ -435,13 +436,20 @@ class MegaScaleStrategy(ParallelStrategy):
         if self._rng_to_restore is not None:
             self._restore_rng(self._rng_to_restore)
             self._rng_to_restore = None
-        with self.precision_plugin.train_step_context():
-            if self._pipeline_loop is None:
-                return self._redirected("training_step", *args, **kwargs)
-            assert self.lightning_module is not None
-            batch_idx = args[1] if len(args) > 1 else kwargs["batch_idx"]
-            with self._pipeline_loop.step(self.lightning_module.trainer.accumulate_grad_batches, batch_idx):
-                return self._redirected("training_step", *args, **kwargs)
+        try:
+            with self.precision_plugin.train_step_context():
+                if self._pipeline_loop is None:
+                    return self._redirected("training_step", *args, **kwargs)
+                assert self.lightning_module is not None
+                batch_idx = args[1] if len(args) > 1 else kwargs["batch_idx"]
+                with self._pipeline_loop.step(
+                    self.lightning_module.trainer.accumulate_grad_batches, batch_idx
+                ):
+                    return self._redirected("training_step", *args, **kwargs)
+        except RuntimeError as error:
+            if dtensor_errors.is_dtensor_mixing(error):
+                raise dtensor_errors.named(error, "training_step") from error
+            raise
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -532,10 +540,15 @@ class MegaScaleStrategy(ParallelStrategy):
     @override
     def reduce(self, tensor: Any, group: Any = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
         """``self.log(..., sync_dist=True)``'s reduction: over the data-parallel ranks (see
-        ``_data_parallel_group``); a DTensor (a value computed from sharded parameters) is made whole first."""
+        ``_data_parallel_group``); a DTensor (a value computed from sharded parameters) is made whole first,
+        and under pp a value the stages disagree on is refused (``stage_values.py``)."""
         if isinstance(tensor, Tensor):
             if isinstance(tensor, DTensor):
                 tensor = tensor.full_tensor()
+            if group is None and self._mesh is not None and self._mesh["pp"].size() > 1:
+                module = self.lightning_module
+                hook = getattr(module, "_current_fx_name", None) if module is not None else None
+                check_same_on_every_stage(tensor, self._mesh["pp"].get_group(), hook)
             # self.log(..., sync_dist=True) inside training_step: where a fast rank waits for a slow one
             with (self._wait_timer or untimed)("metric-sync"):
                 return _sync_ddp_if_available(tensor, self._data_parallel_group(group), reduce_op=reduce_op)

@@ -323,6 +323,27 @@ class Pipeline:
         model._megascale_pipeline = self  # type: ignore[assignment]
 
 
+@contextmanager
+def _unused_not_reduced(module: nn.Module) -> Iterator[None]:
+    """torch infers the shapes of a stage's input gradients with a backward through it (``autograd.grad``: no
+    parameter gets a gradient), which fires FSDP's post-backward: ZeRO-2/3 here reduce-scatter unused
+    parameters (zero/used_params.py), which would give every parameter a zero gradient there. Not inside."""
+    groups = [
+        group
+        for m in module.modules()
+        if isinstance(m, FSDPModule)
+        for group in m._get_fsdp_state()._fsdp_param_groups
+    ]
+    before = [group.reduce_scatter_unused_params for group in groups]
+    for group in groups:
+        group.reduce_scatter_unused_params = False
+    try:
+        yield
+    finally:
+        for group, value in zip(groups, before):
+            group.reduce_scatter_unused_params = value
+
+
 class _LeanStage(PipelineStage):
     """torch's ``PipelineStage``, holding outputs no longer than needed and reducing ZeRO-2/3 gradients during
     the last microbatch's backward.
@@ -383,7 +404,7 @@ class _LeanStage(PipelineStage):
         return out
 
     def _prepare_backward_infra(self, *args: Any, **kwargs: Any) -> Any:
-        with self.pipeline.random_streams_untouched():
+        with self.pipeline.random_streams_untouched(), _unused_not_reduced(self.submod):
             out = super()._prepare_backward_infra(*args, **kwargs)
         if self.pool_receives and not self.is_last:
             self._pools["B"] = _RecvPool(self.grad_recv_info, self.device)
@@ -414,11 +435,16 @@ class _LeanStage(PipelineStage):
         return grads, None
 
     def perform_reduce_grad(self, grad_scale_factor: int) -> None:
-        if isinstance(self.submod, FSDPModule) and not self._syncs():
-            if grad_scale_factor != 1:
-                self.scale_grads(grad_scale_factor)
+        if not isinstance(self.submod, FSDPModule):
+            super().perform_reduce_grad(grad_scale_factor)
             return
-        super().perform_reduce_grad(grad_scale_factor)
+        # The last full backward ran with FSDP's gradient sync on (backward_maybe_with_nosync), so autograd
+        # already ran FSDP's end of backward: every unit reduced and finalised. torch's own would call every
+        # unit's post_backward again, a no-op only while FSDP skips parameters without a gradient; ZeRO-2/3
+        # here reduce-scatter those too (zero/used_params.py), so it would reduce-scatter zeros a second time.
+        # (A split backward, B then W, would need torch's call here: this stage runs full backwards only.)
+        if grad_scale_factor != 1:
+            self.scale_grads(grad_scale_factor)
 
     def backward_one_chunk(
         self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True, last_backward: bool = False

@@ -73,6 +73,14 @@ def check_context_parallel_plan(root: nn.Module, plan: dict[str, str], cp: int, 
             raise ValueError(
                 f"{where}.context_parallel_plan['{role}'] = {pattern!r} matches {[n for n, _ in found]}: one module"
             )
+    ((loss_name, loss),) = _matches(root, plan["loss"])
+    held = [f"{loss_name}.{n}" for n, _ in loss.named_parameters()]
+    if held:  # it is wrapped (ContextParallelLoss): they would be renamed, in checkpoints too
+        raise ValueError(
+            f"cp={cp}: {where}.context_parallel_plan['loss'] = {loss_name!r} holds parameters {held}, which "
+            "context parallelism does not take in the loss module (it wraps it): move them into a layer the "
+            "logits come from, or use cp=1"
+        )
     for n, m in _matches(root, plan["attention"]):
         if not hasattr(m, "context_parallel"):
             raise ValueError(

@@ -335,11 +335,20 @@ class _FullySharded(ZeroRuntime):
     values); they are sharded again when the forward ends, as after any step. The root's gathered parameters
     follow their shards' ``requires_grad`` as their modules run (toggle_optimizer inside the forward). Every
     unit is gathered once at the first forward (``FSDPUnits.gather_units_once``), so one that the first
-    micro-batch of an accumulation skips still has what FSDP's post-backward reads."""
+    micro-batch of an accumulation skips still has what FSDP's post-backward reads. Every rank reduce-scatters
+    every parameter, whether its data used it or not, and ``p.grad`` stays None where no rank did
+    (``used_params.py``)."""
 
-    def __init__(self, stage: int, units: list) -> None:  # list[FSDPUnits]
+    def __init__(self, stage: int, units: list, group: dist.ProcessGroup) -> None:  # list[FSDPUnits]
+        from megascale.core.parallel.zero.used_params import UsedParams
+
         self.stage = stage
         self.units = units
+        self._sync = True
+        # every rank reduce-scatters every parameter, used by its data or not (``used_params.py``)
+        for tree in units:
+            tree.root.set_reduce_scatter_unused_params(True)
+        self.used = [UsedParams(tree.fsdp_params(), group) for tree in units]
         self._inside_forward = 0  # roots' forwards now running (they may nest: a root calling another)
         self._gathered_inside = False
         self._units_gathered_once = False  # see FSDPUnits.gather_units_once
@@ -359,6 +368,8 @@ class _FullySharded(ZeroRuntime):
             self._units_gathered_once = True
             for tree in self.units:
                 tree.gather_units_once()
+        for used in self.used:
+            used.watch_gathered()
 
     def _leave_root(self, module: nn.Module, args: object, output: object) -> None:
         self._inside_forward -= 1
@@ -374,6 +385,7 @@ class _FullySharded(ZeroRuntime):
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
+        self._sync = False
         for units in self.units:
             units.root.set_requires_gradient_sync(False)
             if self.stage == 2:
@@ -381,6 +393,7 @@ class _FullySharded(ZeroRuntime):
         try:
             yield
         finally:
+            self._sync = True
             for units in self.units:
                 units.root.set_requires_gradient_sync(True)
                 units.root.set_reshard_after_backward(True)
@@ -389,6 +402,10 @@ class _FullySharded(ZeroRuntime):
         if self._inside_forward:
             for tree in self.units:
                 tree.finish_backward()
+        if self._sync:
+            for used in self.used:
+                used.after_reduction()
+        if self._inside_forward:
             self._gather_roots_inside_forward()
 
     def after_optimizer_step(self, optimizer: Optimizer) -> None:
@@ -478,7 +495,7 @@ def apply_zero(
                     cast_root_inputs=tree.cast_inputs,
                 )
             )
-        return _FullySharded(stage, sharded)
+        return _FullySharded(stage, sharded, group)
     raise ValueError(f"ZeRO stage {stage!r} must be 0, 1, 2 or 3")
 
 

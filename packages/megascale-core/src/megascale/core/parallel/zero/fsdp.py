@@ -93,6 +93,17 @@ class FSDPUnits:
                 module.unshard()
                 module.reshard()
 
+    def fsdp_params(self) -> list[Any]:
+        """FSDP2's record (``FSDPParam``) of every parameter of the root and its units."""
+        root: nn.Module = self.root  # type: ignore[assignment]  # an FSDPModule is an nn.Module
+        return [
+            fsdp_param
+            for module in root.modules()
+            if isinstance(module, FSDPModule)
+            for group in module._get_fsdp_state()._fsdp_param_groups
+            for fsdp_param in group.fsdp_params
+        ]
+
     def gather_root(self) -> None:
         """The root's own parameters gathered again, from their current shards (after an optimizer step or a
         reduction inside the root's forward: the rest of that forward reads them)."""
