@@ -103,6 +103,15 @@ class EMA(Callback):
         return {name: whole(t) for name, t in self.shadow.items()}
 
 
+class GradientReader(Callback):
+    """A user's own gradient statistic: the sum of every gradient's squared norm, read as a number in
+    on_before_optimizer_step and logged (no sync_dist: each rank logs what it read)."""
+
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        total = sum(float(p.grad.norm()) ** 2 for p in pl_module.parameters() if p.grad is not None)
+        pl_module.log("user/grad_sq", total, on_step=True)
+
+
 def make_callbacks(names: tuple[str, ...]) -> list[Callback]:
     made: list[Callback] = []
     for name in names:
@@ -116,6 +125,8 @@ def make_callbacks(names: tuple[str, ...]) -> list[Callback]:
             made.append(StochasticWeightAveraging(swa_lrs=5e-3, swa_epoch_start=1, annealing_epochs=1))
         elif name == "ema":
             made.append(EMA())
+        elif name == "read_grads":
+            made.append(GradientReader())
         else:
             raise ValueError(f"unknown callback {name!r}")
     return made

@@ -210,6 +210,11 @@ SCENARIOS = [
         callbacks=("swa",),
     ),
     Scenario("ema", "an EMA callback reading every weight after each step", callbacks=("ema",)),
+    Scenario(
+        "read-grads",
+        "a callback reading float(p.grad.norm()) of every parameter in on_before_optimizer_step, logged",
+        callbacks=("read_grads",),
+    ),
     Scenario("tied", "embedding tied to the output layer", features=dict(tie=True)),
     Scenario("buffers", "a causal-mask buffer computed in __init__", features=dict(mask_buffer=True)),
     Scenario(
@@ -381,6 +386,7 @@ REFUSED: dict[str, list[tuple[Any, str]]] = {
 WARNED: dict[str, list[tuple[Any, str]]] = {
     "lightning-grad-norm": [(lambda layout: layout.pp > 1, "covers this stage only")],
     "torch-clip": [(lambda layout: layout.pp > 1, "covers this stage only")],
+    "read-grads": [(lambda layout: layout.pp > 1, "covers this stage only")],
 }
 
 

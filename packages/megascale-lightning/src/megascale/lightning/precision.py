@@ -14,6 +14,7 @@ parameters in bf16 and reduce-scatters the gradients in fp32). "16-mixed" needs 
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 from lightning.fabric.utilities.types import Steppable
@@ -25,6 +26,7 @@ from typing_extensions import override
 from megascale.core._dtensor import is_dtensor, local
 from megascale.core.parallel.grad_clip import clip_grad_norm_
 from megascale.lightning.dtensor_errors import first_line
+from megascale.lightning.whole_gradients import whole_gradients
 
 __all__ = ["MegaScaleMixedPrecision", "MegaScalePrecision", "to_megascale_precision"]
 
@@ -36,6 +38,8 @@ class _GlobalNormClipping:
     grad_norm_group: Any = (
         None  # ranks holding different gradients (pipeline stages, ZeRO-1 pieces), or a callable
     )
+    # user code reads gradients there, and some are shards: gathered whole for it (whole_gradients.py)
+    gather_for_readers: bool = False
 
     def _set_hooks(
         self, before_optimizer_step: Callable[[Optimizer], None] | None, grad_norm_group: Any
@@ -56,8 +60,10 @@ class _GlobalNormClipping:
 
     def _after_closure(self, model: LightningModule, optimizer: Steppable) -> None:
         # on_before_optimizer_step and configure_gradient_clipping: where user code reads gradients
+        reading = whole_gradients(model.parameters()) if self.gather_for_readers else nullcontext()
         try:
-            super()._after_closure(model, optimizer)  # type: ignore[misc]
+            with reading:
+                super()._after_closure(model, optimizer)  # type: ignore[misc]
         except RuntimeError as error:
             if not any(is_dtensor(p.grad) for p in model.parameters() if p.grad is not None):
                 raise

@@ -60,7 +60,7 @@ from megascale.lightning import checkpoint_io, dtensor_errors, preemption
 from megascale.lightning.callback_support import check_trainer_features
 from megascale.lightning.memory_check import layout_memory_warning
 from megascale.lightning.pipeline_loop import PipelineLoop
-from megascale.lightning.precision import to_megascale_precision
+from megascale.lightning.precision import _GlobalNormClipping, to_megascale_precision
 from megascale.lightning.stage_values import check_same_on_every_stage
 from megascale.lightning.weight_readers import gradient_readers, weight_readers_between_steps
 
@@ -400,8 +400,20 @@ class MegaScaleStrategy(ParallelStrategy):
         self.setup_precision_plugin()
 
     def _serve_readers(self, trainer: Trainer) -> None:
-        """ZeRO-1 for user code that reads weights between steps or gradients before the step (EMA callbacks,
-        logged gradient norms, manual optimization): ``weight_readers.py``."""
+        """User code that reads weights between steps or gradients before the step (EMA callbacks, logged
+        gradient norms, manual optimization): ZeRO-1 (``weight_readers.py``); shards gathered whole for the
+        gradient readers' hooks (``whole_gradients.py``)."""
+        readers = gradient_readers(trainer)
+        split = any(isinstance(p, DTensor) for p in trainer.lightning_module.parameters())
+        plugin = self.precision_plugin
+        if readers and split and isinstance(plugin, _GlobalNormClipping):
+            plugin.gather_for_readers = True
+            rank_zero_info(
+                f"MegaScaleStrategy: {readers} may read gradients in on_before_optimizer_step or "
+                "configure_gradient_clipping, and some are tensor-, expert- or ZeRO-2/3 shards: they are gathered "
+                "whole there (one all-gather per sharded gradient each step, the whole gradients held meanwhile; "
+                "give a callback that reads none `reads_gradients = False`)"
+            )
         if self.runtime.zero.stage != 1:
             return
         readers = weight_readers_between_steps(trainer)
