@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
+from pathlib import Path
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
@@ -17,6 +19,10 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
 from megascale.data import Source, WebDataConfig, WebDataModule
+
+# run as a script (sys.path[0] is tests/data): the repository's tests package
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests._dist import finish_and_exit
 
 
 class TinyLM(LightningModule):
@@ -72,6 +78,7 @@ def main() -> None:
     with open(f"{args.out}.rank{trainer.global_rank}", "w") as f:
         json.dump(model.seen, f)
     data.teardown("fit")
+    finish_and_exit()  # gloo sometimes aborts at interpreter exit (shared notes: cpu-distributed.md)
 
 
 if __name__ == "__main__":
