@@ -19,6 +19,7 @@ class Recorder(Callback):
     """Every metric the module logged, after each training batch and each validation run."""
 
     reads_weights_between_steps = False
+    reads_gradients = False
 
     def __init__(self) -> None:
         self.steps: list[dict[str, float]] = []
@@ -59,6 +60,7 @@ class AddParamGroup(Callback):
     """Parameters frozen from the start join the optimizer in a new group at step 3 (mid-epoch)."""
 
     reads_weights_between_steps = False
+    reads_gradients = False
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any,
                              batch_idx: int) -> None:  # fmt: skip
@@ -74,6 +76,7 @@ class FreezeMidRun(Callback):
     """The first block frozen at step 2 and left in the optimizer: from then on it must not move."""
 
     reads_weights_between_steps = False
+    reads_gradients = False
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any,
                              batch_idx: int) -> None:  # fmt: skip
@@ -84,6 +87,8 @@ class FreezeMidRun(Callback):
 
 class EMA(Callback):
     """An exponential moving average of every weight, updated after each optimizer step (a user's own)."""
+
+    reads_gradients = False  # weights only: no gathered gradients for it
 
     def __init__(self, decay: float = 0.9) -> None:
         self.decay = decay
@@ -112,6 +117,15 @@ class GradientReader(Callback):
         pl_module.log("user/grad_sq", total, on_step=True)
 
 
+class GradientReaderAfterStep(Callback):
+    """The same statistic read after the step (until the next zero_grad one process still holds them)."""
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:  # fmt: skip
+        total = sum(float(p.grad.norm()) ** 2 for p in pl_module.parameters() if p.grad is not None)
+        pl_module.log("user/grad_sq_after_step", total, on_step=True)
+
+
 def make_callbacks(names: tuple[str, ...]) -> list[Callback]:
     made: list[Callback] = []
     for name in names:
@@ -127,6 +141,8 @@ def make_callbacks(names: tuple[str, ...]) -> list[Callback]:
             made.append(EMA())
         elif name == "read_grads":
             made.append(GradientReader())
+        elif name == "read_grads_after":
+            made.append(GradientReaderAfterStep())
         else:
             raise ValueError(f"unknown callback {name!r}")
     return made

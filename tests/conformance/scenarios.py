@@ -215,6 +215,11 @@ SCENARIOS = [
         "a callback reading float(p.grad.norm()) of every parameter in on_before_optimizer_step, logged",
         callbacks=("read_grads",),
     ),
+    Scenario(
+        "read-grads-after",
+        "the same callback reading them after the step, in on_train_batch_end",
+        callbacks=("read_grads_after",),
+    ),
     Scenario("tied", "embedding tied to the output layer", features=dict(tie=True)),
     Scenario("buffers", "a causal-mask buffer computed in __init__", features=dict(mask_buffer=True)),
     Scenario(
@@ -387,6 +392,7 @@ WARNED: dict[str, list[tuple[Any, str]]] = {
     "lightning-grad-norm": [(lambda layout: layout.pp > 1, "covers this stage only")],
     "torch-clip": [(lambda layout: layout.pp > 1, "covers this stage only")],
     "read-grads": [(lambda layout: layout.pp > 1, "covers this stage only")],
+    "read-grads-after": [(lambda layout: layout.pp > 1, "covers this stage only")],
 }
 
 

@@ -32,7 +32,7 @@ from torch.distributed import ProcessGroup
 
 from megascale.core.parallel.mesh import ParallelDims
 from megascale.lightning import finetuning
-from megascale.lightning.weight_readers import gradient_readers
+from megascale.lightning.weight_readers import gradient_readers, gradient_readers_after_step
 
 __all__ = ["check_trainer_features"]
 
@@ -66,10 +66,10 @@ def check_trainer_features(
             )
         if isinstance(callback, BaseFinetuning):
             finetuning.adapt(callback, pp_group)
-    readers = gradient_readers(trainer)
+    readers = gradient_readers(trainer) + gradient_readers_after_step(trainer)
     if readers and dims.pp > 1:
         rank_zero_warn(
-            f"MegaScaleStrategy: {readers} may read gradients before the optimizer step; with pp={dims.pp} each rank "
+            f"MegaScaleStrategy: {readers} may read gradients; with pp={dims.pp} each rank "
             "holds its pipeline stage's gradients only, so a norm taken there (Lightning's grad_norm, "
             "torch.nn.utils.clip_grad_norm_) covers this stage only. For the whole model's, log "
             "megascale.lightning.grad_norm(self, 2) and clip with gradient_clip_val or self.clip_gradients(...)"

@@ -62,7 +62,12 @@ from megascale.lightning.memory_check import layout_memory_warning
 from megascale.lightning.pipeline_loop import PipelineLoop
 from megascale.lightning.precision import _GlobalNormClipping, to_megascale_precision
 from megascale.lightning.stage_values import check_same_on_every_stage
-from megascale.lightning.weight_readers import gradient_readers, weight_readers_between_steps
+from megascale.lightning.weight_readers import (
+    gradient_readers,
+    gradient_readers_after_step,
+    weight_readers_between_steps,
+)
+from megascale.lightning.whole_gradients import Split, gather_whole, split_again
 
 RNG_KEY = "megascale_rng"  # in meta.pt: every rank's dropout streams (tp / pp layouts)
 
@@ -191,6 +196,8 @@ class MegaScaleStrategy(ParallelStrategy):
         self._runtime: ParallelRuntime | None = None
         self._pipeline_loop: PipelineLoop | None = None
         self._wait_after_step = False  # ZeRO-1: hooks between steps read weights (see setup)
+        self._whole_after_step = False  # sharded gradients gathered whole after each step (see setup)
+        self._gathered_after_step: Split = []
         self._rng_to_restore: dict[str, Any] | None = None  # dropout streams of a resumed checkpoint
         self._wait_timer: WaitTimer | None = None
         self._memory_checked = False  # the planner's memory check runs at the first training batch
@@ -404,7 +411,16 @@ class MegaScaleStrategy(ParallelStrategy):
         gradient norms, manual optimization): ZeRO-1 (``weight_readers.py``); shards gathered whole for the
         gradient readers' hooks (``whole_gradients.py``)."""
         readers = gradient_readers(trainer)
+        after = gradient_readers_after_step(trainer)
         split = any(isinstance(p, DTensor) for p in trainer.lightning_module.parameters())
+        self._whole_after_step = bool(after) and split
+        if self._whole_after_step:
+            rank_zero_info(
+                f"MegaScaleStrategy: {after} may read gradients after the optimizer step (on_train_batch_end/"
+                "_start), and some are tensor-, expert- or ZeRO-2/3 shards: they are gathered whole after each "
+                "step (one all-gather per sharded gradient, the whole gradients held until the next training_step; "
+                "give a callback that reads none `reads_gradients = False`)"
+            )
         plugin = self.precision_plugin
         if readers and split and isinstance(plugin, _GlobalNormClipping):
             plugin.gather_for_readers = True
@@ -423,7 +439,7 @@ class MegaScaleStrategy(ParallelStrategy):
                 f"MegaScaleStrategy: {readers} may read weights between optimizer steps, so ZeRO-1 waits for "
                 "the updated parameters right after each step instead of during the next forward"
             )
-        readers = gradient_readers(trainer)
+        readers = gradient_readers(trainer) + gradient_readers_after_step(trainer)
         self.runtime.zero.set_whole_gradients(bool(readers))
         if readers and self.plan.zero1_sharding == "elements":
             rank_zero_info(
@@ -448,6 +464,8 @@ class MegaScaleStrategy(ParallelStrategy):
         if self._rng_to_restore is not None:
             self._restore_rng(self._rng_to_restore)
             self._rng_to_restore = None
+        split_again(self._gathered_after_step)  # before this step's backward adds shards to them
+        self._gathered_after_step = []
         try:
             with self.precision_plugin.train_step_context():
                 if self._pipeline_loop is None:
@@ -509,6 +527,8 @@ class MegaScaleStrategy(ParallelStrategy):
     def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         result = super().optimizer_step(optimizer, closure, model, **kwargs)
         self.runtime.zero.after_optimizer_step(getattr(optimizer, "_optimizer", optimizer))
+        if self._whole_after_step and self.model is not None:
+            self._gathered_after_step += gather_whole(self.model.parameters())
         self._replica_guard.check_values(optimizer, self.model, self.runtime)
         if self._wait_after_step:
             self.runtime.zero.wait_for_params()

@@ -13,6 +13,8 @@ Gradients. ZeRO-1 with ``zero1_sharding="elements"`` leaves each rank only its p
 the reduce-scatter. User code that reads gradients before the step (``grad_norm`` logged in
 ``on_before_optimizer_step``, its own ``clip_grad_norm_`` in ``configure_gradient_clipping``, anything under
 manual optimization) must see them whole, so where such code exists the strategy has them all-reduced instead.
+After the step, until the next zero_grad, one process still holds every gradient: code reading them then
+(``on_train_batch_end``/``_start`` of a callback or the LightningModule) must see them whole too.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from lightning.pytorch.callbacks import (
 )
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
-__all__ = ["gradient_readers", "weight_readers_between_steps"]
+__all__ = ["gradient_readers", "gradient_readers_after_step", "weight_readers_between_steps"]
 
 # StochasticWeightAveraging averages the weights in on_train_epoch_start, right after an epoch's last step
 _HOOKS = ("on_train_batch_end", "on_train_batch_start", "on_train_epoch_end", "on_train_epoch_start")
@@ -95,5 +97,24 @@ def gradient_readers(trainer: Trainer) -> list[str]:
     if not module.automatic_optimization:
         readers.append(f"{type(module).__name__} (manual optimization)")
     elif _reads_gradients(module, _MODULE_GRADIENT_HOOKS, LightningModule):
+        readers.append(type(module).__name__)
+    return readers
+
+
+def gradient_readers_after_step(trainer: Trainer) -> list[str]:
+    """Names of the callbacks and the LightningModule (automatic optimization) that may read gradients after
+    the optimizer step, before the next zero_grad: those overriding ``on_train_batch_end`` or
+    ``on_train_batch_start``, but Lightning's callbacks known to read none, megascale's own, and any saying
+    ``reads_gradients = False``."""
+    module = trainer.lightning_module
+    if not module.automatic_optimization:  # steps inside training_step: its own reads are not served
+        return []
+    hooks = ("on_train_batch_end", "on_train_batch_start")
+    readers = [
+        type(callback).__name__
+        for callback in trainer.callbacks  # type: ignore[attr-defined]
+        if not isinstance(callback, _KNOWN) and _reads_gradients(callback, hooks, Callback)
+    ]
+    if _reads_gradients(module, hooks, LightningModule):
         readers.append(type(module).__name__)
     return readers

@@ -7,7 +7,9 @@ one process reads 1.43). So while the hooks that read gradients run (``on_before
 ``configure_gradient_clipping``, and the clipping Lightning does there), each sharded gradient is gathered
 whole (Replicate), and split again afterwards from what the hooks left: a gradient they scaled (their own
 clipping) keeps its new values. It costs one all-gather per sharded gradient and the whole gradients held
-meanwhile, paid only where such a reader exists (``weight_readers.gradient_readers``).
+meanwhile, paid only where such a reader exists (``weight_readers.gradient_readers``). Code reading them after
+the step (``on_train_batch_end``, ``weight_readers.gradient_readers_after_step``) gets them gathered whole after
+each step, split again when the next training_step starts.
 """
 
 from __future__ import annotations
@@ -18,15 +20,16 @@ from contextlib import contextmanager
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-__all__ = ["whole_gradients"]
+__all__ = ["gather_whole", "split_again", "whole_gradients"]
 
 
-@contextmanager
-def whole_gradients(params: Iterable[nn.Parameter]) -> Iterator[None]:
-    """Inside, every sharded DTensor gradient of ``params`` is whole on every rank; outside, split as before
-    (from the values inside). Every rank holding a shard of one must enter (it communicates), in the same
-    order of ``params``."""
-    split: list[tuple[nn.Parameter, tuple]] = []
+Split = list[tuple[nn.Parameter, tuple]]
+
+
+def gather_whole(params: Iterable[nn.Parameter]) -> Split:
+    """Every sharded DTensor gradient of ``params`` gathered whole (Replicate) on every rank; returns what
+    ``split_again`` needs. Every rank holding a shard of one must call it, in the same order of ``params``."""
+    split: Split = []
     for p in params:
         grad = p.grad
         if not isinstance(grad, DTensor) or all(isinstance(pl, Replicate) for pl in grad.placements):
@@ -35,10 +38,25 @@ def whole_gradients(params: Iterable[nn.Parameter]) -> Iterator[None]:
             continue
         split.append((p, grad.placements))
         p.grad = grad.redistribute(grad.device_mesh, [Replicate()] * grad.device_mesh.ndim)
+    return split
+
+
+def split_again(split: Split) -> None:
+    """The gradients ``gather_whole`` gathered, split as before from their current values (each rank keeps
+    its own slice of the whole: no communication)."""
+    for p, placements in split:
+        grad = p.grad
+        if isinstance(grad, DTensor):
+            p.grad = grad.redistribute(grad.device_mesh, placements)
+
+
+@contextmanager
+def whole_gradients(params: Iterable[nn.Parameter]) -> Iterator[None]:
+    """Inside, every sharded DTensor gradient of ``params`` is whole on every rank; outside, split as before
+    (from the values inside). Every rank holding a shard of one must enter (it communicates), in the same
+    order of ``params``."""
+    split = gather_whole(params)
     try:
         yield
     finally:
-        for p, placements in split:
-            grad = p.grad
-            if isinstance(grad, DTensor):  # a rank keeps its own slice of the whole: no communication
-                p.grad = grad.redistribute(grad.device_mesh, placements)
+        split_again(split)

@@ -173,6 +173,7 @@ class OptimizerStateSharding:
         self._owner: dict[int, int] = {}
         self._pending: dict[int, tuple[Tensor, Any]] = {}  # bucket index -> (flat buffer, work)
         self._live: list[bool] | None = None  # per bucket: stepped this step (None: all)
+        self._dropped: list[tuple[Tensor, Tensor]] = []  # other owners' gradients, set aside for the step
         self.wait_timer: WaitTimer = untimed  # around the next forward's waits for the broadcasts
         if units is None:
             layers = getattr(module, "layers", None)
@@ -277,7 +278,8 @@ class OptimizerStateSharding:
 
     def drop_unowned_grads(self) -> None:
         """``p.grad = None`` for every parameter another rank owns, so ``optimizer.step()`` neither steps
-        them nor creates state for them. Call after the gradients were averaged and clipped."""
+        them nor creates state for them (``broadcast_updated`` gives them back). Call after the gradients were
+        averaged and clipped."""
         self.refresh()
         # A bucket none of whose parameters has a gradient (none on any rank: the reducer left them None) is
         # stepped nowhere: nothing to broadcast.
@@ -286,6 +288,8 @@ class OptimizerStateSharding:
             self._live.append(any(p.grad is not None for p in bucket.params))
             if bucket.owner != self.rank:
                 for p in bucket.params:
+                    if p.grad is not None:
+                        self._dropped.append((p, p.grad))
                     p.grad = None
 
     @torch.no_grad()
@@ -296,6 +300,11 @@ class OptimizerStateSharding:
         each unit's buckets; otherwise this waits for all of them.
         """
         self.wait()  # a previous gather that no forward consumed: finish it before sending new values
+        # the whole averages again, as on one process until the next zero_grad (code reading them after the step)
+        for p, grad in self._dropped:
+            if p.grad is None:
+                p.grad = grad
+        self._dropped = []
         live, self._live = self._live, None
         for b, bucket in enumerate(self.buckets):
             if live is not None and not live[b]:
