@@ -48,6 +48,7 @@ from megascale.core.parallel.pipeline_interleaved import (
 from megascale.core.parallel.plan import SCHEDULES, ParallelPlan, split_blocks
 from megascale.core.parallel.rng import ModelParallelRNG
 from megascale.core.parallel.wait_timer import WaitTimer, untimed
+from megascale.core.parallel.zero.fsdp import fsdp_param_groups
 
 __all__ = [
     "SCHEDULES",
@@ -328,12 +329,7 @@ def _unused_not_reduced(module: nn.Module) -> Iterator[None]:
     """torch infers the shapes of a stage's input gradients with a backward through it (``autograd.grad``: no
     parameter gets a gradient), which fires FSDP's post-backward: ZeRO-2/3 here reduce-scatter unused
     parameters (zero/used_params.py), which would give every parameter a zero gradient there. Not inside."""
-    groups = [
-        group
-        for m in module.modules()
-        if isinstance(m, FSDPModule)
-        for group in m._get_fsdp_state()._fsdp_param_groups
-    ]
+    groups = fsdp_param_groups(module)
     before = [group.reduce_scatter_unused_params for group in groups]
     for group in groups:
         group.reduce_scatter_unused_params = False

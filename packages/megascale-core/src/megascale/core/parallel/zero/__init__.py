@@ -50,6 +50,7 @@ from megascale.core.parallel.wait_timer import WaitTimer
 from megascale.core.parallel.zero.grad_reduce import BucketedGradReduce
 from megascale.core.parallel.zero.optimizer_state import OptimizerStateSharding
 from megascale.core.parallel.zero.sharded_step import ShardedOptimizerStep
+from megascale.core.parallel.zero.used_params import UsedParams
 
 __all__ = [
     "BucketedGradReduce",
@@ -340,8 +341,6 @@ class _FullySharded(ZeroRuntime):
     (``used_params.py``)."""
 
     def __init__(self, stage: int, units: list, group: dist.ProcessGroup) -> None:  # list[FSDPUnits]
-        from megascale.core.parallel.zero.used_params import UsedParams
-
         self.stage = stage
         self.units = units
         self._sync = True

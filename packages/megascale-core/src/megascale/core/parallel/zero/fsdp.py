@@ -36,7 +36,17 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-__all__ = ["FSDPUnits", "apply_fsdp", "group_layers"]
+__all__ = ["FSDPUnits", "apply_fsdp", "fsdp_param_groups", "group_layers"]
+
+
+def fsdp_param_groups(module: nn.Module) -> list[Any]:
+    """FSDP2's parameter groups (``FSDPParamGroup``) of ``module`` and every FSDP unit under it."""
+    return [
+        group
+        for m in module.modules()
+        if isinstance(m, FSDPModule)
+        for group in m._get_fsdp_state()._fsdp_param_groups
+    ]
 
 
 class FSDPUnits:
@@ -96,13 +106,7 @@ class FSDPUnits:
     def fsdp_params(self) -> list[Any]:
         """FSDP2's record (``FSDPParam``) of every parameter of the root and its units."""
         root: nn.Module = self.root  # type: ignore[assignment]  # an FSDPModule is an nn.Module
-        return [
-            fsdp_param
-            for module in root.modules()
-            if isinstance(module, FSDPModule)
-            for group in module._get_fsdp_state()._fsdp_param_groups
-            for fsdp_param in group.fsdp_params
-        ]
+        return [fsdp_param for group in fsdp_param_groups(root) for fsdp_param in group.fsdp_params]
 
     def gather_root(self) -> None:
         """The root's own parameters gathered again, from their current shards (after an optimizer step or a
