@@ -126,6 +126,14 @@ class GradientReaderAfterStep(Callback):
         pl_module.log("user/grad_sq_after_step", total, on_step=True)
 
 
+class GradientReaderAfterBackward(Callback):
+    """The same statistic read in on_after_backward (where Lightning's docs log gradient histograms)."""
+
+    def on_after_backward(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        total = sum(float(p.grad.norm()) ** 2 for p in pl_module.parameters() if p.grad is not None)
+        pl_module.log("user/grad_sq_after_backward", total, on_step=True)
+
+
 def make_callbacks(names: tuple[str, ...]) -> list[Callback]:
     made: list[Callback] = []
     for name in names:
@@ -143,6 +151,8 @@ def make_callbacks(names: tuple[str, ...]) -> list[Callback]:
             made.append(GradientReader())
         elif name == "read_grads_after":
             made.append(GradientReaderAfterStep())
+        elif name == "read_grads_backward":
+            made.append(GradientReaderAfterBackward())
         else:
             raise ValueError(f"unknown callback {name!r}")
     return made

@@ -279,6 +279,8 @@ class ConformanceModule(LightningModule):
     (blocks; embedding and head) stepped by hand in one training_step, the second forward reading what the
     first step wrote ("single": one optimizer, zero_grad/backward/step; "accumulate": two batches a step;
     "toggle": each step between toggle_optimizer and untoggle_optimizer, as Lightning's GAN example);
+    read_grads (with manual="single"): the gradients' squared norms summed as numbers and logged between
+    manual_backward and the step, then clipped by norm with clip_gradients;
     skip_odd_steps: optimizer_step runs the closure but steps only on even batches;
     conditional: a layer in the loss that only tokens with a small target run (``NextTokenLoss``), so ranks use
     it in different steps; log_sum: a per-batch total logged with reduce_fx="sum" (training and validation); log_l2: the sum of every
@@ -304,7 +306,7 @@ class ConformanceModule(LightningModule):
         # the hooks below are overridden for the scenarios that use them; the others read no gradient, and say
         # so (else ZeRO-1 would all-reduce whole gradients for every scenario: weight_readers.py)
         self.reads_gradients = any(
-            self.features.get(k) for k in ("log_grad_norm", "clip_in_module", "torch_clip")
+            self.features.get(k) for k in ("log_grad_norm", "clip_in_module", "torch_clip", "read_grads")
         )
         if self.features.get("eager"):  # built here, as callbacks that copy or freeze it in setup() need
             self.configure_model()
@@ -393,6 +395,10 @@ class ConformanceModule(LightningModule):
             loss = self._loss(batch)
             optimizer.zero_grad()  # type: ignore[union-attr]
             self.manual_backward(loss)
+            if self.features.get("read_grads"):  # read as numbers between the backward and the step
+                total = sum(float(p.grad.norm()) ** 2 for p in self.parameters() if p.grad is not None)
+                self.log("user/grad_sq_manual", total, on_step=True)
+                self.clip_gradients(optimizer, gradient_clip_val=0.05, gradient_clip_algorithm="norm")
             optimizer.step()  # type: ignore[union-attr]
             self.log("train/loss", loss.detach(), on_step=True, sync_dist=True)
             return None

@@ -220,6 +220,17 @@ SCENARIOS = [
         "the same callback reading them after the step, in on_train_batch_end",
         callbacks=("read_grads_after",),
     ),
+    Scenario(
+        "read-grads-backward",
+        "the same callback reading them in on_after_backward",
+        callbacks=("read_grads_backward",),
+    ),
+    Scenario(
+        "manual-read-grads",
+        "manual optimization reading float(p.grad.norm()) of every parameter between manual_backward and the "
+        "step, logged, then clipping by norm with self.clip_gradients",
+        features=dict(manual="single", read_grads=True),
+    ),
     Scenario("tied", "embedding tied to the output layer", features=dict(tie=True)),
     Scenario("buffers", "a causal-mask buffer computed in __init__", features=dict(mask_buffer=True)),
     Scenario(
@@ -349,6 +360,7 @@ REFUSED: dict[str, list[tuple[Any, str]]] = {
     "swa": [(_sharded, "StochasticWeightAveraging cannot run under MegaScaleStrategy")],
     "manual": [(_pipelined, "manual optimization (automatic_optimization=False) cannot run")],
     "manual-accumulate": [(_pipelined, "manual optimization (automatic_optimization=False) cannot run")],
+    "manual-read-grads": [(_pipelined, "manual optimization (automatic_optimization=False) cannot run")],
     # a model listing no layers cannot be split into stages: said before manual optimization's own refusal
     "manual-toggle": [
         (_pipelined, "pipeline parallelism needs exactly one model offering pipeline_layers()")
@@ -393,6 +405,7 @@ WARNED: dict[str, list[tuple[Any, str]]] = {
     "torch-clip": [(lambda layout: layout.pp > 1, "covers this stage only")],
     "read-grads": [(lambda layout: layout.pp > 1, "covers this stage only")],
     "read-grads-after": [(lambda layout: layout.pp > 1, "covers this stage only")],
+    "read-grads-backward": [(lambda layout: layout.pp > 1, "covers this stage only")],
 }
 
 

@@ -16,7 +16,13 @@ from lightning.pytorch.callbacks import BaseFinetuning, StochasticWeightAveragin
 
 from megascale.core import GPTConfig
 from megascale.lightning import GPTModule
-from megascale.lightning.weight_readers import gradient_readers, weight_readers_between_steps
+from megascale.lightning.weight_readers import (
+    gradient_readers,
+    gradient_readers_after_backward,
+    gradient_readers_before_step,
+    manual_gradient_reader,
+    weight_readers_between_steps,
+)
 from tests.core._tiny import TINY_GQA_GPT
 
 
@@ -54,11 +60,16 @@ class Freezer(BaseFinetuning):
         pass
 
 
-def _readers(module: LightningModule, callbacks: list[Callback] | None = None) -> tuple[list[str], list[str]]:
+def _trainer(module: LightningModule, callbacks: list[Callback] | None = None) -> Trainer:
     trainer = Trainer(
         accelerator="cpu", devices=1, callbacks=callbacks, logger=False, enable_progress_bar=False
     )
     trainer.strategy.connect(module)
+    return trainer
+
+
+def _readers(module: LightningModule, callbacks: list[Callback] | None = None) -> tuple[list[str], list[str]]:
+    trainer = _trainer(module, callbacks)
     return gradient_readers(trainer), weight_readers_between_steps(trainer)
 
 
@@ -69,3 +80,17 @@ def test_gradient_and_weight_readers_are_found_and_megascale_own_hooks_are_not()
     assert _readers(Manual()) == (["Manual (manual optimization)"], ["Manual (manual optimization)"])
     swa = StochasticWeightAveraging(swa_lrs=1e-2)
     assert _readers(Plain(), [swa, Freezer()]) == ([], ["StochasticWeightAveraging"])
+
+
+class QuietManual(Manual):
+    reads_gradients = False
+
+
+def test_gradient_readers_are_told_apart_by_where_they_read() -> None:
+    # each place gathers whole gradients only for the code that reads there (strategy._serve_readers)
+    trainer = _trainer(LogsGradNorm(), [Reader(), Quiet()])
+    assert gradient_readers_after_backward(trainer) == ["Reader"]
+    assert gradient_readers_before_step(trainer) == ["LogsGradNorm"]
+    assert manual_gradient_reader(trainer) is None
+    assert manual_gradient_reader(_trainer(Manual())) == "Manual (manual optimization)"
+    assert manual_gradient_reader(_trainer(QuietManual())) is None

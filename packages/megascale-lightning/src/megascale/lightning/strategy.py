@@ -64,7 +64,10 @@ from megascale.lightning.precision import _GlobalNormClipping, to_megascale_prec
 from megascale.lightning.stage_values import check_same_on_every_stage
 from megascale.lightning.weight_readers import (
     gradient_readers,
+    gradient_readers_after_backward,
     gradient_readers_after_step,
+    gradient_readers_before_step,
+    manual_gradient_reader,
     weight_readers_between_steps,
 )
 from megascale.lightning.whole_gradients import Split, gather_whole, split_again
@@ -196,8 +199,13 @@ class MegaScaleStrategy(ParallelStrategy):
         self._runtime: ParallelRuntime | None = None
         self._pipeline_loop: PipelineLoop | None = None
         self._wait_after_step = False  # ZeRO-1: hooks between steps read weights (see setup)
-        self._whole_after_step = False  # sharded gradients gathered whole after each step (see setup)
-        self._gathered_after_step: Split = []
+        # sharded gradients gathered whole for user code that reads them (see _serve_readers): after each step,
+        # for on_after_backward, and from manual_backward to the step; split again before the next backward,
+        # optimizer step or training_step
+        self._whole_after_step = False
+        self._whole_after_backward = False
+        self._whole_in_manual_step = False
+        self._gathered: Split = []
         self._rng_to_restore: dict[str, Any] | None = None  # dropout streams of a resumed checkpoint
         self._wait_timer: WaitTimer | None = None
         self._memory_checked = False  # the planner's memory check runs at the first training batch
@@ -407,29 +415,35 @@ class MegaScaleStrategy(ParallelStrategy):
         self.setup_precision_plugin()
 
     def _serve_readers(self, trainer: Trainer) -> None:
-        """User code that reads weights between steps or gradients before the step (EMA callbacks, logged
-        gradient norms, manual optimization): ZeRO-1 (``weight_readers.py``); shards gathered whole for the
-        gradient readers' hooks (``whole_gradients.py``)."""
-        readers = gradient_readers(trainer)
-        after = gradient_readers_after_step(trainer)
+        """User code that reads weights between steps or gradients (EMA callbacks, logged gradient norms, manual
+        optimization): ZeRO-1 (``weight_readers.py``); tensor-, expert- and ZeRO-2/3 shards gathered whole
+        where that code reads them (``whole_gradients.py``)."""
         split = any(isinstance(p, DTensor) for p in trainer.lightning_module.parameters())
-        self._whole_after_step = bool(after) and split
-        if self._whole_after_step:
-            rank_zero_info(
-                f"MegaScaleStrategy: {after} may read gradients after the optimizer step (on_train_batch_end/"
-                "_start), and some are tensor-, expert- or ZeRO-2/3 shards: they are gathered whole after each "
-                "step (one all-gather per sharded gradient, the whole gradients held until the next training_step; "
-                "give a callback that reads none `reads_gradients = False`)"
-            )
+        manual = manual_gradient_reader(trainer)
+        # where user code reads them: (when it reads, when they are gathered whole for it, who reads)
+        where = [
+            ("after the optimizer step (on_train_batch_end/_start)", "after each step, held until the next "
+             "training_step", gradient_readers_after_step(trainer)),
+            ("in on_after_backward", "after each backward", gradient_readers_after_backward(trainer)),
+            ("in on_before_optimizer_step or configure_gradient_clipping", "there",
+             gradient_readers_before_step(trainer)),
+            ("in a manual training_step", "after each manual_backward, held until the optimizer's step",
+             [manual] if manual else []),
+        ]  # fmt: skip
+        for when, how, readers in where:
+            if readers and split:
+                rank_zero_info(
+                    f"MegaScaleStrategy: {readers} may read gradients {when}, and some are tensor-, expert- or "
+                    f"ZeRO-2/3 shards: they are gathered whole {how} (one all-gather per sharded gradient, the "
+                    "whole gradients held meanwhile; give a callback or module that reads none "
+                    "`reads_gradients = False`)"
+                )
+        after_step, after_backward, before_step, in_manual = (bool(r) and split for _, _, r in where)
+        self._whole_after_step, self._whole_after_backward = after_step, after_backward
+        self._whole_in_manual_step = in_manual
         plugin = self.precision_plugin
-        if readers and split and isinstance(plugin, _GlobalNormClipping):
+        if before_step and isinstance(plugin, _GlobalNormClipping):
             plugin.gather_for_readers = True
-            rank_zero_info(
-                f"MegaScaleStrategy: {readers} may read gradients in on_before_optimizer_step or "
-                "configure_gradient_clipping, and some are tensor-, expert- or ZeRO-2/3 shards: they are gathered "
-                "whole there (one all-gather per sharded gradient each step, the whole gradients held meanwhile; "
-                "give a callback that reads none `reads_gradients = False`)"
-            )
         if self.runtime.zero.stage != 1:
             return
         readers = weight_readers_between_steps(trainer)
@@ -464,8 +478,7 @@ class MegaScaleStrategy(ParallelStrategy):
         if self._rng_to_restore is not None:
             self._restore_rng(self._rng_to_restore)
             self._rng_to_restore = None
-        split_again(self._gathered_after_step)  # before this step's backward adds shards to them
-        self._gathered_after_step = []
+        self._split_gathered()  # before this step's backward adds shards to them
         try:
             with self.precision_plugin.train_step_context():
                 if self._pipeline_loop is None:
@@ -508,11 +521,31 @@ class MegaScaleStrategy(ParallelStrategy):
     def backward(
         self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
     ) -> Tensor:
+        """Lightning's backward with the reductions finished before ``on_after_backward`` (as DDP's hooks see
+        reduced gradients), whole gradients for the code reading them (``_serve_readers``), and under pp the
+        hooks around the backward the schedule ran inside training_step."""
+        module = self.lightning_module
+        assert module is not None
+        self._split_gathered()  # this backward adds shards to them
         if self._pipeline_loop is None:
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
-        self._pipeline_loop.restore_gradients()  # the schedule ran backward inside training_step
+            self.pre_backward(closure_loss)
+            closure_loss = self.precision_plugin.pre_backward(closure_loss, module)  # on_before_backward
+            self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
+        else:
+            closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+            self._pipeline_loop.restore_gradients()  # the schedule ran backward inside training_step
         self.post_backward(closure_loss)
+        manual = self._whole_in_manual_step and not module.automatic_optimization
+        if manual or self._whole_after_backward:
+            self._gathered += gather_whole(module.parameters())
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)  # on_after_backward
+        if not manual:  # a manual training_step reads them until its optimizer steps
+            self._split_gathered()
         return closure_loss
+
+    def _split_gathered(self) -> None:
+        split_again(self._gathered)
+        self._gathered = []
 
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
@@ -525,10 +558,11 @@ class MegaScaleStrategy(ParallelStrategy):
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        self._split_gathered()  # gathered after a manual_backward: the update needs its shards
         result = super().optimizer_step(optimizer, closure, model, **kwargs)
         self.runtime.zero.after_optimizer_step(getattr(optimizer, "_optimizer", optimizer))
         if self._whole_after_step and self.model is not None:
-            self._gathered_after_step += gather_whole(self.model.parameters())
+            self._gathered += gather_whole(self.model.parameters())
         self._replica_guard.check_values(optimizer, self.model, self.runtime)
         if self._wait_after_step:
             self.runtime.zero.wait_for_params()

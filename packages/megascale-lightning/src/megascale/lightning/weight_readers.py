@@ -32,7 +32,14 @@ from lightning.pytorch.callbacks import (
 )
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
-__all__ = ["gradient_readers", "gradient_readers_after_step", "weight_readers_between_steps"]
+__all__ = [
+    "gradient_readers",
+    "gradient_readers_after_backward",
+    "gradient_readers_after_step",
+    "gradient_readers_before_step",
+    "manual_gradient_reader",
+    "weight_readers_between_steps",
+]
 
 # StochasticWeightAveraging averages the weights in on_train_epoch_start, right after an epoch's last step
 _HOOKS = ("on_train_batch_end", "on_train_batch_start", "on_train_epoch_end", "on_train_epoch_start")
@@ -99,6 +106,43 @@ def gradient_readers(trainer: Trainer) -> list[str]:
     elif _reads_gradients(module, _MODULE_GRADIENT_HOOKS, LightningModule):
         readers.append(type(module).__name__)
     return readers
+
+
+def gradient_readers_after_backward(trainer: Trainer) -> list[str]:
+    """Names of the callbacks and the LightningModule overriding ``on_after_backward`` (but megascale's own and
+    any saying ``reads_gradients = False``)."""
+    hooks = ("on_after_backward",)
+    readers = [
+        type(callback).__name__
+        for callback in trainer.callbacks  # type: ignore[attr-defined]
+        if _reads_gradients(callback, hooks, Callback)
+    ]
+    if _reads_gradients(trainer.lightning_module, hooks, LightningModule):
+        readers.append(type(trainer.lightning_module).__name__)
+    return readers
+
+
+def gradient_readers_before_step(trainer: Trainer) -> list[str]:
+    """Names of the callbacks overriding ``on_before_optimizer_step`` and of the LightningModule overriding it
+    or ``configure_gradient_clipping`` (but megascale's own and any saying ``reads_gradients = False``)."""
+    readers = [
+        type(callback).__name__
+        for callback in trainer.callbacks  # type: ignore[attr-defined]
+        if _reads_gradients(callback, ("on_before_optimizer_step",), Callback)
+    ]
+    hooks = ("on_before_optimizer_step", "configure_gradient_clipping")
+    if _reads_gradients(trainer.lightning_module, hooks, LightningModule):
+        readers.append(type(trainer.lightning_module).__name__)
+    return readers
+
+
+def manual_gradient_reader(trainer: Trainer) -> str | None:
+    """The LightningModule's name where its manual training_step may read gradients between
+    ``manual_backward`` and the optimizer's step: manual optimization, unless it says ``reads_gradients = False``."""
+    module = trainer.lightning_module
+    if module.automatic_optimization or not getattr(module, "reads_gradients", True):
+        return None
+    return f"{type(module).__name__} (manual optimization)"
 
 
 def gradient_readers_after_step(trainer: Trainer) -> list[str]:
