@@ -62,7 +62,7 @@ class Cell:
 
 def all_cells(seeds: int) -> list[Cell]:
     cells = [Cell(s.name, seed, layout.name) for seed in range(seeds) for s in SCENARIOS for layout in LAYOUTS
-             if layout.tp > 1 or not s.tp_only]  # fmt: skip
+             if s.runs_under(layout)]  # fmt: skip
     pairs = resume_pairs()
     shrink = [(b, a) for a, b in pairs if a.world == 2 and b.world == 4]
     shrink = [pair for i, pair in enumerate(shrink) if i % 3 == 0]  # each world-4 layout → some world-2 ones
@@ -92,7 +92,7 @@ def in_ci_tier(cell: Cell) -> bool:
         return True  # the other 2-rank layouts: every scenario, every resume (from 2 or 4 ranks)
     if cell.saved_under is None:  # the scenario's turn among the 4-rank layouts it runs under
         scenario = next(s for s in SCENARIOS if s.name == cell.scenario)
-        runs_under = [name for name in world4 if LAYOUT[name].tp > 1 or not scenario.tp_only]
+        runs_under = [name for name in world4 if scenario.runs_under(LAYOUT[name])]
         return runs_under[SCENARIOS.index(scenario) % len(runs_under)] == cell.layout
     if LAYOUT[cell.saved_under].world == 4:
         return True

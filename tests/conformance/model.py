@@ -117,13 +117,17 @@ class Block(nn.Module):
         # a learned per-block gain (LayerScale / ReZero), a plain parameter held by the block itself
         self.gain = nn.Parameter(torch.ones(width)) if layer_scale else None
         self.active = True  # LayerDrop: the LightningModule switches blocks off for a step
+        # (batch,) bool: the samples this block runs on, set per batch; Net does not call it where none is
+        self.keep: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.active:
             return x
+        keep = self.keep
         h = x + self.attn(self.attn_norm(x))
         out = h + self.mlp(self.mlp_norm(h))
-        return x + (out - x) * self.gain if self.gain is not None else out
+        out = x + (out - x) * self.gain if self.gain is not None else out
+        return out if keep is None else torch.where(keep[:, None, None], out, x)
 
 
 class Head(nn.Module):
@@ -251,7 +255,8 @@ class Net(nn.Module):
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         x = self.embed(tokens)
         for block in self.blocks:
-            x = block(x)
+            if block.keep is None or bool(block.keep.any()):  # none of this rank's samples: not called
+                x = block(x)
         logits = self.head(x)
         if targets is None:
             return logits
@@ -282,6 +287,8 @@ class ConformanceModule(LightningModule):
     read_grads (with manual="single"): the gradients' squared norms summed as numbers and logged between
     manual_backward and the step, then clipped by norm with clip_gradients;
     skip_odd_steps: optimizer_step runs the closure but steps only on even batches;
+    conditional_block: the first and last blocks run only on samples whose first token is 0 (first) or 1 (last)
+    modulo 3, and are skipped where a rank's batch holds none;
     conditional: a layer in the loss that only tokens with a small target run (``NextTokenLoss``), so ranks use
     it in different steps; log_sum: a per-batch total logged with reduce_fx="sum" (training and validation); log_l2: the sum of every
     parameter's squares, over ``self.parameters()`` inside training_step, logged with sync_dist=True;
@@ -361,6 +368,9 @@ class ConformanceModule(LightningModule):
     def _loss(self, batch: Any) -> torch.Tensor:
         assert self.net is not None
         inputs, targets = batch
+        if self.features.get("conditional_block"):  # per sample, so one process runs the same on the union
+            first, last = self.net.blocks[0], self.net.blocks[-1]
+            first.keep, last.keep = inputs[:, 0] % 3 == 0, inputs[:, 0] % 3 == 1
         return self.net(inputs, targets)
 
     def _set_layerdrop(self, batch_idx: int) -> None:

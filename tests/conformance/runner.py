@@ -118,7 +118,9 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     else:
         from megascale.lightning import MegaScaleStrategy
 
-        strategy = MegaScaleStrategy(**layout.strategy, timeout=COLLECTIVE_TIMEOUT, device_mesh=_mesh(layout))
+        strategy = MegaScaleStrategy(
+            **{**layout.strategy, **scenario.strategy}, timeout=COLLECTIVE_TIMEOUT, device_mesh=_mesh(layout)
+        )
     flags: dict[str, Any] = dict(max_epochs=2)
     flags.update(scenario.trainer)
     if not scenario.validate:

@@ -99,6 +99,15 @@ class Scenario:
     saves: bool = False
     bf16: bool = False
     tp_only: bool = False  # only meaningful where tp > 1 (a tensor_parallel_plan's edge)
+    # only meaningful where each rank's training_step sees its whole samples and the model has no experts
+    # (pp splits them into microbatches, cp into sequence pieces; an MoE layer's all-to-all pairs ranks)
+    whole_samples_only: bool = False
+    strategy: dict[str, Any] = field(default_factory=dict)  # MegaScaleStrategy arguments besides the layout's
+
+    def runs_under(self, layout: Layout) -> bool:
+        if self.tp_only and layout.tp == 1:
+            return False
+        return not (self.whole_samples_only and (layout.pp > 1 or layout.cp > 1 or layout.moe))
 
 
 SCENARIOS = [
@@ -256,6 +265,14 @@ SCENARIOS = [
         "conditional-layer",
         "a layer run only when the batch holds some tokens (if sel.any(): loss += extra(h[sel])): ranks differ",
         features=dict(conditional=True),
+    ),
+    Scenario(
+        "conditional-block",
+        "the first and last blocks of the layer list run only on samples whose first token is small, and are "
+        "skipped where a rank's batch holds none (if keep.any(): ...); a ZeRO unit per layer",
+        features=dict(conditional_block=True),
+        strategy=dict(bucket_size_mb=1e-6),  # MiB: a unit per layer
+        whole_samples_only=True,
     ),
     Scenario(
         "log-l2",

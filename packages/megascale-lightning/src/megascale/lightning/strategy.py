@@ -530,6 +530,7 @@ class MegaScaleStrategy(ParallelStrategy):
         if self._pipeline_loop is None:
             self.pre_backward(closure_loss)
             closure_loss = self.precision_plugin.pre_backward(closure_loss, module)  # on_before_backward
+            closure_loss = self.runtime.zero.before_backward(closure_loss)
             self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
         else:
             closure_loss = self.precision_plugin.pre_backward(closure_loss, module)

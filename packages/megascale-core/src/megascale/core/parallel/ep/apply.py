@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
@@ -167,6 +167,11 @@ class ExpertReplicas(ZeroRuntime):
             for runtime in self._each():
                 stack.enter_context(runtime.no_sync())
             yield
+
+    def before_backward(self, loss: Tensor) -> Tensor:
+        for runtime in self._each():
+            loss = runtime.before_backward(loss)
+        return loss
 
     def after_backward(self) -> None:
         for runtime in self._each():

@@ -17,7 +17,7 @@ per parameter, the largest part) on every rank; ZeRO shards them over the dp ran
 Every stage is a ``ZeroRuntime`` with the same hooks, which a training loop calls in this order::
 
     with zero.no_sync(): loss.backward()      # micro-batches of a gradient accumulation but the last
-    loss.backward(); zero.after_backward()     # gradients averaged over dp (or reduce-scattered)
+    zero.before_backward(loss).backward(); zero.after_backward()   # gradients averaged (or reduce-scattered)
     clip_grad_norm_(..., sum_group=zero.grad_sum_group())   # megascale's: every tensor once
     zero.before_optimizer_step(optimizer)      # stage 1: the optimizer gets this rank's share
     optimizer.step(); zero.after_optimizer_step(optimizer)   # stage 1: new values sent; 2/3: prefetch
@@ -31,7 +31,8 @@ whatever its ``requires_grad`` at setup (frozen ones train once unfrozen).
 Lightning's parameter contract holds at stages 0 and 1 as on one process: a parameter that got a gradient on
 no rank keeps ``p.grad`` None (the optimizer leaves it alone: no momentum, no weight decay); parameters that
 join an optimizer later (``add_param_group``) are stepped from the next step on, the states kept; and with
-``set_whole_gradients(True)`` every gradient user code reads is whole.
+``set_whole_gradients(True)`` every gradient user code reads is whole. At stages 2 and 3 too, and a block
+some ranks' forward does not call is gathered and reduce-scattered with the others (``skipped_units.py``).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
@@ -50,6 +51,7 @@ from megascale.core.parallel.wait_timer import WaitTimer
 from megascale.core.parallel.zero.grad_reduce import BucketedGradReduce
 from megascale.core.parallel.zero.optimizer_state import OptimizerStateSharding
 from megascale.core.parallel.zero.sharded_step import ShardedOptimizerStep
+from megascale.core.parallel.zero.skipped_units import SkippedUnits
 from megascale.core.parallel.zero.used_params import UsedParams
 
 __all__ = [
@@ -88,6 +90,11 @@ class ZeroRuntime:
     def no_sync(self) -> Iterator[None]:
         """Backward inside accumulates gradients locally; the next backward outside reduces the sums."""
         yield
+
+    def before_backward(self, loss: Tensor) -> Tensor:
+        """``loss`` as the backward about to run should take it (stages 2/3 hook the units a forward passed
+        over onto it when the backward runs inside the root's forward)."""
+        return loss
 
     def after_backward(self) -> None:
         """After the (last) backward of a step: gradients reduced over dp."""
@@ -348,6 +355,11 @@ class _FullySharded(ZeroRuntime):
         for tree in units:
             tree.root.set_reduce_scatter_unused_params(True)
         self.used = [UsedParams(tree.fsdp_params(), group) for tree in units]
+        # units a rank's forward passes over still gather and reduce-scatter with the others' (skipped_units.py)
+        self.skipped = {
+            id(tree.root): SkippedUnits(tree.root, tree.units, used.before_reductions)
+            for tree, used in zip(units, self.used)
+        }
         self._inside_forward = 0  # roots' forwards now running (they may nest: a root calling another)
         self._gathered_inside = False
         self._units_gathered_once = False  # see FSDPUnits.gather_units_once
@@ -363,6 +375,7 @@ class _FullySharded(ZeroRuntime):
 
     def _enter_root(self, module: nn.Module, args: object) -> None:
         self._inside_forward += 1
+        self.skipped[id(module)].start()
         if not self._units_gathered_once:
             self._units_gathered_once = True
             for tree in self.units:
@@ -397,6 +410,12 @@ class _FullySharded(ZeroRuntime):
                 units.root.set_requires_gradient_sync(True)
                 units.root.set_reshard_after_backward(True)
 
+    def before_backward(self, loss: Tensor) -> Tensor:
+        if self._inside_forward:  # the backward of a manual training_step: later units will not run first
+            for skipped in self.skipped.values():
+                loss = skipped.before_backward(loss)
+        return loss
+
     def after_backward(self) -> None:
         if self._inside_forward:
             for tree in self.units:
@@ -418,6 +437,8 @@ class _FullySharded(ZeroRuntime):
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        for skipped in self.skipped.values():
+            skipped.remove()
         super().remove()
 
 

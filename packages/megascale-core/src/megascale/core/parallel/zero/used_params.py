@@ -56,11 +56,16 @@ class UsedParams:
 
     def _mark(self, index: int) -> Callable[[Tensor], None]:
         def hook(_: Tensor) -> None:
-            if self._had_grad is None:  # a backward's first gradient comes before any unit's reduce-scatter
-                self._had_grad = [fp.sharded_param.grad is not None for fp in self.fsdp_params]
+            self.before_reductions()  # a backward's first gradient comes before its units' reduce-scatters
             self._used.add(index)
 
         return hook
+
+    def before_reductions(self) -> None:
+        """What each gradient is before a backward's first reduce-scatter (call where that may come before any
+        gradient: units passed over on the loss, ``skipped_units.py``)."""
+        if self._had_grad is None:
+            self._had_grad = [fp.sharded_param.grad is not None for fp in self.fsdp_params]
 
     def after_reduction(self) -> None:
         """Every rank, after a backward that reduce-scattered: the gradients of parameters no rank used are
