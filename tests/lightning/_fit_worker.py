@@ -9,7 +9,7 @@ SPEC.json: {"jobs": [{"name", "strategy": {MegaScaleStrategy kwargs} | null, "co
 LightningModule taking **module; then "config" is unused), "probe": true (optional: a callback reading every
 weight after each step, as an EMA would), "checkpoint_every": n and "checkpoint_dir": path (optional: a
 ModelCheckpoint writing "step=<k>.ckpt" every n steps), "optimizer_state": true (optional: record the whole
-optimizer state after fit), "expect_error": true (optional: record the exception fit raises instead of
+optimizer state after fit), "save_at_start": path (optional: trainer.save_checkpoint there in on_train_start), "expect_error": true (optional: record the exception fit raises instead of
 failing)}, ...]}
 OUT.pt (written by global rank 0): {name: {"losses": [per optimizer step, as logged (synced over ranks)],
 "weights": {name: full fp32 tensor}, "samples": [per optimizer step, the fingerprints of the union batch of
@@ -66,6 +66,14 @@ class RecordLoss(Callback):
                 )
 
 
+class SaveAtStart(Callback):
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_start(self, trainer: Trainer, pl_module: Any) -> None:
+        trainer.save_checkpoint(self.path)
+
+
 def run_job(job: dict[str, Any]) -> dict[str, Any]:
     seed_everything(0, workers=True)
     strategy = MegaScaleStrategy(**job["strategy"]) if job.get("strategy") is not None else "auto"
@@ -97,6 +105,8 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
 
         probe = WeightProbe()
         trainer_kwargs["callbacks"] = [record, probe]
+    if job.get("save_at_start"):  # a save before the first optimizer step: it must not change training
+        trainer_kwargs["callbacks"] = [*trainer_kwargs["callbacks"], SaveAtStart(job["save_at_start"])]
     if job.get("checkpoint_every"):  # saved during fit, as a run that is later resumed elsewhere saves
         from lightning.pytorch.callbacks import ModelCheckpoint
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.optim import Optimizer
 
 from megascale.core import GPT, GPTConfig
+from megascale.core.parallel.zero.optimizer_state import optimizer_params
 
 __all__ = [
     "LAYOUT_KEY",
@@ -84,6 +86,21 @@ def _states(
         before_optimizer_state(optimizer)
         state[f"optimizer_{i}"] = get_optimizer_state_dict(model, optimizer, options=_options(True))
     return state
+
+
+@contextmanager
+def _no_new_optimizer_state(optimizers: Sequence[Optimizer]) -> Iterator[None]:
+    """Taking an optimizer's state dict creates state for parameters that have none: torch.distributed.checkpoint
+    steps an optimizer without any once, at learning rate 0, and ZeRO-1 creates the states a rank owns. A save
+    drops them again when it is written, so it never changes training (Adam's first real step would count 2)."""
+    had = [{id(p) for p in optimizer_params(o) if o.state.get(p)} for o in optimizers]
+    try:
+        yield
+    finally:
+        for optimizer, ids in zip(optimizers, had):
+            for p in optimizer_params(optimizer):
+                if id(p) not in ids:
+                    optimizer.state.pop(p, None)
 
 
 def states(
@@ -131,7 +148,8 @@ def save(
             raise FileExistsError(f"{path} exists and is not a megascale checkpoint: not overwriting it")
         path.mkdir(parents=True, exist_ok=True)
     barrier()
-    dcp.save(_states(model, optimizers, before_optimizer_state), checkpoint_id=path)
+    with _no_new_optimizer_state(optimizers):
+        dcp.save(_states(model, optimizers, before_optimizer_state), checkpoint_id=path)
     if is_global_zero:
         # written last: a directory without meta.pt is an incomplete checkpoint (is_checkpoint is False)
         tmp = path / (META_FILE + ".tmp")

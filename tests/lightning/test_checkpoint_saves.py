@@ -1,0 +1,39 @@
+"""What Lightning users do with checkpoints under MegaScaleStrategy (issue 48): a save never changes training.
+
+A checkpoint written before the first optimizer step (a callback saving in ``on_train_start``, a
+``ModelCheckpoint`` firing early) used to step every optimizer once: torch.distributed.checkpoint creates the
+state of an optimizer that has none by stepping it at learning rate 0 (and ZeRO-1 creates the states a rank
+owns), so AdamW's first real step counted 2 and its bias correction moved every weight by ~0.26·lr (2.6e-4
+here) from where the same run without the save ends. Each ZeRO stage (and ZeRO-1 by parameters) runs the
+same fit with and without that save, in one process group: the weights must be equal to float32 rounding.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.lightning._launch import fit
+from tests.lightning.test_strategy import job
+
+LAYOUTS = {
+    "zero0": dict(zero_stage=0),
+    "zero1": dict(zero_stage=1),
+    "zero1-params": dict(zero_stage=1, zero1_sharding="parameters"),
+    "zero2": dict(zero_stage=2),
+    "zero3": dict(zero_stage=3),
+}
+TOL = 1e-6  # the same computation in the same process: observed 0
+
+
+def test_a_save_before_the_first_step_changes_no_weight(tmp_path):
+    jobs = []
+    for name, strategy in LAYOUTS.items():
+        jobs.append(job(name, strategy, 2, steps=3))
+        jobs.append(job(f"{name} saved", strategy, 2, steps=3, save_at_start=str(tmp_path / f"start-{name}")))
+    results = fit(jobs, 2, tmp_path)
+    for name in LAYOUTS:
+        plain, saved = results[name]["weights"], results[f"{name} saved"]["weights"]
+        for key, value in plain.items():
+            diff = float((saved[key] - value).abs().max())
+            assert diff <= TOL, f"{name}: {key} moved {diff:.2e} by a save before the first step"
+        assert results[f"{name} saved"]["losses"] == pytest.approx(results[name]["losses"], abs=TOL)
