@@ -248,3 +248,20 @@ class WeightProbe(Callback):
             )  # a collective on every rank, in order
             total += whole.detach().double().sum()
         self.sums.append(float(total))
+
+
+class PrebuiltOptimizerModule(_Trains):
+    """The transformer built in ``__init__`` and its optimizer with it, over ``self.parameters()`` before any
+    split: configure_optimizers returns that optimizer (issue 48, case 1)."""
+
+    def __init__(self, vocab: int = 64) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = OwnTransformer(vocab)
+        self.optimizer = torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.1)
+
+    def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.model(inputs, targets)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return self.optimizer

@@ -56,7 +56,7 @@ from megascale.core.parallel.mesh import MESH_DIMS, ParallelDims
 from megascale.core.parallel.plan import ParallelPlan
 from megascale.core.parallel.replica_check import ReplicaGuard
 from megascale.core.parallel.wait_timer import ComputeTimer, Timers, WaitTimer, untimed
-from megascale.lightning import checkpoint_io, dtensor_errors, preemption
+from megascale.lightning import checkpoint_io, dtensor_errors, prebuilt_optimizers, preemption
 from megascale.lightning.callback_support import check_trainer_features
 from megascale.lightning.memory_check import layout_memory_warning
 from megascale.lightning.pipeline_loop import PipelineLoop
@@ -206,6 +206,7 @@ class MegaScaleStrategy(ParallelStrategy):
         self._whole_after_backward = False
         self._whole_in_manual_step = False
         self._gathered: Split = []
+        self._names_before_split: prebuilt_optimizers.Names = {}  # for optimizers built before fit
         self._rng_to_restore: dict[str, Any] | None = None  # dropout streams of a resumed checkpoint
         self._wait_timer: WaitTimer | None = None
         self._memory_checked = False  # the planner's memory check runs at the first training batch
@@ -393,6 +394,7 @@ class MegaScaleStrategy(ParallelStrategy):
             self._runtime is None
         ):  # trainer.validate/predict after fit set up the strategy again: split already
             bf16 = getattr(self.precision_plugin, "precision", "") == "bf16-mixed"
+            self._names_before_split = prebuilt_optimizers.names_of(self.model)
             self._runtime = parallelize(
                 self.model, self.plan, self.device_mesh, device=self.root_device,
                 param_dtype=torch.bfloat16 if bf16 else None,
@@ -408,10 +410,19 @@ class MegaScaleStrategy(ParallelStrategy):
                 trainer, self.lightning_module, self.dims, self.zero_stage, self.plan.ep, pp_group
             )
             self.setup_optimizers(trainer)
+            moved = prebuilt_optimizers.point_at_split_parameters(
+                self.optimizers, self.model, self._names_before_split
+            )
+            if moved:
+                rank_zero_info(
+                    f"MegaScaleStrategy: configure_optimizers returned an optimizer built before the model was "
+                    f"split; its {len(moved)} parameters now point to the split ones"
+                )
             self.runtime.zero.attach_optimizers(self.optimizers)
             if self._wait_timer is not None:
                 self.runtime.set_wait_timer(self._wait_timer)
             self._serve_readers(trainer)
+        self._names_before_split = {}  # the parameters from before the split: no longer held
         self.setup_precision_plugin()
 
     def _serve_readers(self, trainer: Trainer) -> None:
