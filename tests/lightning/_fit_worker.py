@@ -8,7 +8,8 @@ SPEC.json: {"jobs": [{"name", "strategy": {MegaScaleStrategy kwargs} | null, "co
 "save_at_end": path | null, "resume_from": path | null, "module_class": "pkg.mod.Class" (optional: any
 LightningModule taking **module; then "config" is unused), "probe": true (optional: a callback reading every
 weight after each step, as an EMA would), "checkpoint_every": n and "checkpoint_dir": path (optional: a
-ModelCheckpoint writing "step=<k>.ckpt" every n steps), "optimizer_state": true (optional: record the whole
+ModelCheckpoint writing "step=<k>.ckpt" every n steps; "checkpoint_save_last" and "checkpoint_last_name" set its
+save_last and CHECKPOINT_NAME_LAST), "optimizer_state": true (optional: record the whole
 optimizer state after fit), "save_at_start": path (optional: trainer.save_checkpoint there in on_train_start), "expect_error": true (optional: record the exception fit raises instead of
 failing)}, ...]}
 OUT.pt (written by global rank 0): {name: {"losses": [per optimizer step, as logged (synced over ranks)],
@@ -111,7 +112,9 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         from lightning.pytorch.callbacks import ModelCheckpoint
 
         every = ModelCheckpoint(dirpath=job["checkpoint_dir"], filename="{step}", every_n_train_steps=job["checkpoint_every"],
-                                save_top_k=-1)  # fmt: skip
+                                save_top_k=-1, save_last=job.get("checkpoint_save_last"))  # fmt: skip
+        if job.get("checkpoint_last_name"):  # a last checkpoint named anew each time ("last-{step}")
+            every.CHECKPOINT_NAME_LAST = job["checkpoint_last_name"]
         trainer_kwargs["callbacks"] = [*trainer_kwargs["callbacks"], every]
         trainer_kwargs["enable_checkpointing"] = True
     trainer_kwargs.update(job.get("trainer", {}))

@@ -37,3 +37,17 @@ def test_a_save_before_the_first_step_changes_no_weight(tmp_path):
             diff = float((saved[key] - value).abs().max())
             assert diff <= TOL, f"{name}: {key} moved {diff:.2e} by a save before the first step"
         assert results[f"{name} saved"]["losses"] == pytest.approx(results[name]["losses"], abs=TOL)
+
+
+def test_a_last_checkpoint_linked_under_a_new_name_each_time_replaces_the_old_link(tmp_path):
+    # ModelCheckpoint(save_last="link") named "last-{step}": each save links the newest checkpoint under a new
+    # name and removes the previous link through the strategy, which used rmtree on it ("Cannot call rmtree on
+    # a symbolic link") and must remove the link only
+    where = tmp_path / "ckpt"
+    job_ = job("dp2/zero1", dict(zero_stage=1), 2, steps=3, checkpoint_every=1, checkpoint_dir=str(where),
+               checkpoint_save_last="link", checkpoint_last_name="last-{step}")  # fmt: skip
+    fit([job_], 2, tmp_path)
+    names = sorted(p.name for p in where.iterdir())
+    assert names == ["last-step=3.ckpt", "step=1.ckpt", "step=2.ckpt", "step=3.ckpt"], names
+    link = where / "last-step=3.ckpt"
+    assert link.is_symlink() and link.resolve() == (where / "step=3.ckpt").resolve()

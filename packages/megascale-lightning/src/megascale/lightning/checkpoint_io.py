@@ -380,8 +380,12 @@ def convert_to_hf(
 
 
 def remove(path: str | Path) -> None:
+    """Delete a checkpoint: a directory, a file, or a link to either (``ModelCheckpoint(save_last="link")``),
+    whose target stays."""
     path = Path(path)
-    if path.is_dir():
+    if path.is_symlink():
+        path.unlink()
+    elif path.is_dir():
         shutil.rmtree(path)
     elif path.exists():
         path.unlink()
