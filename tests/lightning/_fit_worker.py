@@ -10,7 +10,8 @@ LightningModule taking **module; then "config" is unused), "probe": true (option
 weight after each step, as an EMA would), "checkpoint_every": n and "checkpoint_dir": path (optional: a
 ModelCheckpoint writing "step=<k>.ckpt" every n steps; "checkpoint_save_last" and "checkpoint_last_name" set its
 save_last and CHECKPOINT_NAME_LAST), "optimizer_state": true (optional: record the whole
-optimizer state after fit), "save_at_start": path (optional: trainer.save_checkpoint there in on_train_start), "expect_error": true (optional: record the exception fit raises instead of
+optimizer state after fit), "save_at_start": path (optional: trainer.save_checkpoint there in on_train_start),
+"deepcopy_callbacks": true (optional: copy.deepcopy(trainer.callbacks) after fit, recorded), "expect_error": true (optional: record the exception fit raises instead of
 failing)}, ...]}
 OUT.pt (written by global rank 0): {name: {"losses": [per optimizer step, as logged (synced over ranks)],
 "weights": {name: full fp32 tensor}, "samples": [per optimizer step, the fingerprints of the union batch of
@@ -127,6 +128,14 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         return {"error": str(error)}
     if job.get("save_at_end"):
         trainer.save_checkpoint(job["save_at_end"])
+    copied_callbacks = None
+    if job.get("deepcopy_callbacks"):  # what a sweep or a notebook does with a finished trainer's callbacks
+        import copy
+
+        try:
+            copied_callbacks = [type(c).__name__ for c in copy.deepcopy(trainer.callbacks)]
+        except Exception as error:
+            copied_callbacks = [f"error: {error}"]
     options = StateDictOptions(
         full_state_dict=True
     )  # on every rank (cpu_offload would keep it on rank 0 only)
@@ -136,6 +145,8 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         for key, value in part.items():
             weights.setdefault(key, value)
     out: dict[str, Any] = {"losses": record.losses, "weights": weights, "expert_load": record.expert_load}
+    if copied_callbacks is not None:
+        out["copied_callbacks"] = copied_callbacks
     dims = getattr(trainer.strategy, "_dims", None)  # MegaScaleStrategy: the layout it ran
     if dims is not None:
         out["layout"] = {

@@ -265,3 +265,17 @@ class PrebuiltOptimizerModule(_Trains):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return self.optimizer
+
+
+class NoOptimizerModule(OwnTransformerModule):
+    """configure_optimizers returns None (Lightning allows it: training steps run, nothing is stepped)."""
+
+    def configure_optimizers(self) -> None:  # type: ignore[override]
+        return None
+
+
+class LBFGSModule(OwnTransformerModule):
+    """An optimizer whose state is not one tensor per parameter (LBFGS keeps lists of past steps)."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.LBFGS(self.parameters(), lr=0.1, max_iter=2)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 
 from tests.lightning._launch import fit
+from tests.lightning.test_own_module import own_job
 from tests.lightning.test_strategy import job
 
 LAYOUTS = {
@@ -51,3 +52,38 @@ def test_a_last_checkpoint_linked_under_a_new_name_each_time_replaces_the_old_li
     assert names == ["last-step=3.ckpt", "step=1.ckpt", "step=2.ckpt", "step=3.ckpt"], names
     link = where / "last-step=3.ckpt"
     assert link.is_symlink() and link.resolve() == (where / "step=3.ckpt").resolve()
+
+
+def test_no_optimizer_trains_saves_and_resumes_and_lbfgs_is_refused_by_name_when_saved(tmp_path):
+    # configure_optimizers returning None: Lightning's stand-in optimizer has no state, and the first save
+    # failed (KeyError: 'state'), ZeRO-1 refused it naming Lightning's internal _MockOptimizer. LBFGS trains
+    # at ZeRO-0/2/3 but its state is not one tensor per parameter: its save failed with torch's words about
+    # flattening, now with a message naming it
+    jobs = [
+        own_job(f"none zero{z}", "NoOptimizerModule", dict(zero_stage=z), 2, steps=2, checkpoint_every=1,
+                checkpoint_dir=str(tmp_path / f"none{z}"))
+        for z in (0, 1, 2, 3)
+    ]  # fmt: skip
+    jobs.append(own_job("none resumed", "NoOptimizerModule", dict(zero_stage=3), 2, steps=2,
+                        resume_from=str(tmp_path / "none1" / "step=1.ckpt")))  # fmt: skip
+    jobs.append(own_job("lbfgs", "LBFGSModule", dict(zero_stage=2), 2, steps=2, checkpoint_every=1,
+                        checkpoint_dir=str(tmp_path / "lbfgs"), expect_error=True))  # fmt: skip
+    results = fit(jobs, 2, tmp_path)
+    for z in (0, 1, 2, 3):
+        assert (tmp_path / f"none{z}" / "step=2.ckpt").is_dir(), f"zero{z}"
+    assert len(results["none resumed"]["losses"]) == 1  # the step after the checkpoint's
+    assert "LBFGS's state cannot be written to a megascale checkpoint" in results["lbfgs"]["error"]
+
+
+def test_a_resumed_fit_leaves_callbacks_that_can_be_copied(tmp_path):
+    # copy.deepcopy(trainer.callbacks) after a fit resumed from ckpt_path failed at ZeRO-0/1 ("cannot pickle
+    # ProcessGroup", issue 48 case 9, at 6a71d58); it does not at this test's writing: a guard that it stays so
+    saved = str(tmp_path / "saved")
+    jobs = [job("zero1", dict(zero_stage=1), 2, steps=2, save_at_end=saved)]
+    for z in (0, 1):
+        jobs.append(job(f"zero{z} resumed", dict(zero_stage=z), 2, steps=3, resume_from=saved,
+                        deepcopy_callbacks=True, checkpoint_every=1, checkpoint_dir=str(tmp_path / f"z{z}")))  # fmt: skip
+    results = fit(jobs, 2, tmp_path)
+    for z in (0, 1):
+        copied = results[f"zero{z} resumed"]["copied_callbacks"]
+        assert not any(name.startswith("error") for name in copied), f"zero{z}: {copied}"

@@ -84,7 +84,15 @@ def _states(
     state: dict[str, Any] = {MODEL_KEY: get_model_state_dict(model)}
     for i, optimizer in enumerate(optimizers):
         before_optimizer_state(optimizer)
-        state[f"optimizer_{i}"] = get_optimizer_state_dict(model, optimizer, options=_options(True))
+        try:
+            state[f"optimizer_{i}"] = get_optimizer_state_dict(model, optimizer, options=_options(True))
+        except NotImplementedError as error:  # torch's message speaks of flattening, not of the optimizer
+            raise ValueError(
+                f"{type(optimizer).__name__}'s state cannot be written to a megascale checkpoint "
+                f"(torch.distributed.checkpoint: {error}); its values are not one tensor per parameter (LBFGS "
+                "keeps lists of past steps). Train with an optimizer whose state is per parameter (AdamW, SGD, "
+                "LAMB), or without checkpoints"
+            ) from error
     return state
 
 

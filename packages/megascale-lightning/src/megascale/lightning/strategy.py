@@ -37,6 +37,7 @@ from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH, ReduceOp
 from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.core.optimizer import _MockOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
@@ -411,14 +412,14 @@ class MegaScaleStrategy(ParallelStrategy):
             )
             self.setup_optimizers(trainer)
             moved = prebuilt_optimizers.point_at_split_parameters(
-                self.optimizers, self.model, self._names_before_split
+                self._stepping_optimizers, self.model, self._names_before_split
             )
             if moved:
                 rank_zero_info(
                     f"MegaScaleStrategy: configure_optimizers returned an optimizer built before the model was "
                     f"split; its {len(moved)} parameters now point to the split ones"
                 )
-            self.runtime.zero.attach_optimizers(self.optimizers)
+            self.runtime.zero.attach_optimizers(self._stepping_optimizers)
             if self._wait_timer is not None:
                 self.runtime.set_wait_timer(self._wait_timer)
             self._serve_readers(trainer)
@@ -675,6 +676,12 @@ class MegaScaleStrategy(ParallelStrategy):
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         pass  # done in load_checkpoint
 
+    @property
+    def _stepping_optimizers(self) -> list[Optimizer]:
+        """``self.optimizers`` less Lightning's stand-in for ``configure_optimizers`` returning None, which
+        steps nothing and has no state to shard or save."""
+        return [o for o in self.optimizers if not isinstance(o, _MockOptimizer)]
+
     def _holds_all_states(self, optimizer: Optimizer) -> bool:
         return self.runtime.zero.holds_all_optimizer_states(optimizer)
 
@@ -701,7 +708,7 @@ class MegaScaleStrategy(ParallelStrategy):
         checkpoint[checkpoint_io.LAYOUT_KEY] = self._layout()
         assert self.model is not None
         checkpoint_io.save(
-            path, self.model, self.optimizers, checkpoint, is_global_zero=self.is_global_zero,
+            path, self.model, self._stepping_optimizers, checkpoint, is_global_zero=self.is_global_zero,
             barrier=self.barrier, before_optimizer_state=self.runtime.zero.prepare_optimizer_state,
         )  # fmt: skip
 
@@ -711,7 +718,7 @@ class MegaScaleStrategy(ParallelStrategy):
         path = Path(self.broadcast(str(checkpoint_path)))
         assert self.model is not None and self.lightning_module is not None
         checkpoint = checkpoint_io.load(
-            path, self.model, self.optimizers, strict=self.lightning_module.strict_loading,
+            path, self.model, self._stepping_optimizers, strict=self.lightning_module.strict_loading,
             before_optimizer_state=self.runtime.zero.prepare_optimizer_state,
             holds_all_states=self._holds_all_states, layout=self._layout(),
         )  # fmt: skip
@@ -784,14 +791,16 @@ class MegaScaleStrategy(ParallelStrategy):
         """
         self._wait_for_params()
         assert self.model is not None
-        return checkpoint_io.states(self.model, self.optimizers, self.runtime.zero.prepare_optimizer_state)
+        return checkpoint_io.states(
+            self.model, self._stepping_optimizers, self.runtime.zero.prepare_optimizer_state
+        )
 
     def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
         """Set the model and optimizer states from a `sharded_state_dict` whose tensors were loaded in place."""
         self._wait_for_params()
         assert self.model is not None and self.lightning_module is not None
         checkpoint_io.apply_states(
-            self.model, self.optimizers, state, strict=self.lightning_module.strict_loading,
+            self.model, self._stepping_optimizers, state, strict=self.lightning_module.strict_loading,
             holds_all_states=self._holds_all_states,
         )  # fmt: skip
 
