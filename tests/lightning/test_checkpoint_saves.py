@@ -87,3 +87,26 @@ def test_a_resumed_fit_leaves_callbacks_that_can_be_copied(tmp_path):
     for z in (0, 1):
         copied = results[f"zero{z} resumed"]["copied_callbacks"]
         assert not any(name.startswith("error") for name in copied), f"zero{z}: {copied}"
+
+
+def test_load_from_checkpoint_reads_a_checkpoint_directory(tmp_path):
+    # MegaScaleStrategy writes directories, and Lightning's load_from_checkpoint raised IsADirectoryError:
+    # GPTModule takes the directory, any LightningModule takes checkpoint_io.checkpoint_file(directory)
+    import torch
+
+    from megascale.lightning import GPTModule
+    from megascale.lightning.checkpoint_io import checkpoint_file
+    from tests.lightning._own_modules import PrebuiltOptimizerModule
+
+    gpt, own = str(tmp_path / "gpt"), str(tmp_path / "own")
+    jobs = [job("dp2/zero3", dict(zero_stage=3), 2, steps=2, save_at_end=gpt),
+            own_job("tp2", "PrebuiltOptimizerModule", dict(tp=2), 1, steps=2, save_at_end=own)]  # fmt: skip
+    results = fit(jobs, 2, tmp_path)
+    for module, want in [
+        (GPTModule.load_from_checkpoint(gpt), results["dp2/zero3"]["weights"]),
+        (PrebuiltOptimizerModule.load_from_checkpoint(checkpoint_file(own)), results["tp2"]["weights"]),
+    ]:
+        got = module.state_dict()
+        assert got.keys() == want.keys()
+        for key, value in want.items():
+            assert torch.equal(got[key].float(), value), key

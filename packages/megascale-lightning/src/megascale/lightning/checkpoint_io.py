@@ -29,7 +29,9 @@ Hugging Face model directory, ``convert_to_hf`` writes a Hugging Face directory 
 
 from __future__ import annotations
 
+import io
 import shutil
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -40,6 +42,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -55,11 +58,13 @@ __all__ = [
     "LAYOUT_KEY",
     "META_FILE",
     "apply_states",
+    "checkpoint_file",
     "convert_from_hf",
     "convert_to_hf",
     "convert_to_torch",
     "is_checkpoint",
     "layout_name",
+    "lightning_checkpoint",
     "load",
     "load_gpt",
     "save",
@@ -294,6 +299,37 @@ def _options(strict: bool) -> Any:
     # Pipeline stages hold different parameters, so their lists differ, and DCP would keep one rank's list
     # for all; per-name keys merge across stages and reshard into any layout, as the states do.
     return StateDictOptions(strict=strict, flatten_optimizer_state_dict=True)
+
+
+def lightning_checkpoint(path: str | Path) -> dict[str, Any]:
+    """A checkpoint directory as Lightning's one-file checkpoint dict, read on this process alone: Lightning's
+    entries (hyper-parameters, loops, callbacks) and ``"state_dict"``, every model tensor whole, keyed as the
+    LightningModule's ``state_dict()``. Optimizer states are left unread."""
+    path = Path(path)
+    if not is_checkpoint(path):
+        raise FileNotFoundError(f"{path} is not a complete megascale checkpoint directory")
+    reader = FileSystemReader(path)
+    prefix = f"{MODEL_KEY}."
+    state: dict[str, Any] = {
+        key: torch.empty(item.size, dtype=item.properties.dtype)
+        for key, item in reader.read_metadata().state_dict_metadata.items()
+        if key.startswith(prefix) and isinstance(item, TensorStorageMetadata)
+    }
+    with warnings.catch_warnings():  # one process reading on purpose: DCP says it assumes so
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, storage_reader=reader, no_dist=True)
+    meta = torch.load(path / META_FILE, weights_only=True, map_location="cpu")
+    meta.pop(LAYOUT_KEY, None)
+    return {**meta, MODEL_KEY: {key[len(prefix) :]: tensor for key, tensor in state.items()}}
+
+
+def checkpoint_file(path: str | Path) -> io.BytesIO:
+    """The checkpoint directory ``path`` as one in-memory checkpoint file, for Lightning's readers:
+    ``MyModule.load_from_checkpoint(checkpoint_file(path))`` (``GPTModule`` takes the directory itself)."""
+    buffer = io.BytesIO()
+    torch.save(lightning_checkpoint(path), buffer)
+    buffer.seek(0)
+    return buffer
 
 
 def convert_to_torch(checkpoint: str | Path, output: str | Path, *, module_attribute: str = "model") -> Path:

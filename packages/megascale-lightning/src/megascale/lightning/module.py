@@ -48,6 +48,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -225,6 +226,16 @@ class GPTModule(LightningModule):
         # first batch.
         self.flops_per_batch: int | None = None
         self._flops_key: tuple[int, int, bool, int, int] | None = None
+
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        """Lightning's ``load_from_checkpoint``, also for the checkpoint directories MegaScaleStrategy writes
+        (read whole on this process, ``checkpoint_io.checkpoint_file``)."""
+        from megascale.lightning import checkpoint_io  # the strategy's module, imported only where used
+
+        if isinstance(checkpoint_path, (str, Path)) and checkpoint_io.is_checkpoint(checkpoint_path):
+            checkpoint_path = checkpoint_io.checkpoint_file(checkpoint_path)
+        return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
 
     # -- model ------------------------------------------------------------------------------------------------
 
