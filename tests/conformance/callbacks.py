@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -108,12 +109,17 @@ class EMA(Callback):
         return {name: whole(t) for name, t in self.shadow.items()}
 
 
+def grad_sq(module: LightningModule) -> float:
+    """A user's own gradient statistic: every gradient's squared norm, read as a number, summed."""
+    return sum(float(p.grad.norm()) ** 2 for p in module.parameters() if p.grad is not None)
+
+
 class GradientReader(Callback):
     """A user's own gradient statistic: the sum of every gradient's squared norm, read as a number in
     on_before_optimizer_step and logged (no sync_dist: each rank logs what it read)."""
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
-        total = sum(float(p.grad.norm()) ** 2 for p in pl_module.parameters() if p.grad is not None)
+        total = grad_sq(pl_module)
         pl_module.log("user/grad_sq", total, on_step=True)
 
 
@@ -122,7 +128,7 @@ class GradientReaderAfterStep(Callback):
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:  # fmt: skip
-        total = sum(float(p.grad.norm()) ** 2 for p in pl_module.parameters() if p.grad is not None)
+        total = grad_sq(pl_module)
         pl_module.log("user/grad_sq_after_step", total, on_step=True)
 
 
@@ -130,29 +136,25 @@ class GradientReaderAfterBackward(Callback):
     """The same statistic read in on_after_backward (where Lightning's docs log gradient histograms)."""
 
     def on_after_backward(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        total = sum(float(p.grad.norm()) ** 2 for p in pl_module.parameters() if p.grad is not None)
+        total = grad_sq(pl_module)
         pl_module.log("user/grad_sq_after_backward", total, on_step=True)
 
 
+# by the names scenarios give (``Scenario.callbacks``)
+CALLBACKS: dict[str, Callable[[], Callback]] = {
+    "finetune": Finetune,
+    "add_group": AddParamGroup,
+    "freeze_mid": FreezeMidRun,
+    "swa": lambda: StochasticWeightAveraging(swa_lrs=5e-3, swa_epoch_start=1, annealing_epochs=1),
+    "ema": EMA,
+    "read_grads": GradientReader,
+    "read_grads_after": GradientReaderAfterStep,
+    "read_grads_backward": GradientReaderAfterBackward,
+}
+
+
 def make_callbacks(names: tuple[str, ...]) -> list[Callback]:
-    made: list[Callback] = []
-    for name in names:
-        if name == "finetune":
-            made.append(Finetune())
-        elif name == "add_group":
-            made.append(AddParamGroup())
-        elif name == "freeze_mid":
-            made.append(FreezeMidRun())
-        elif name == "swa":
-            made.append(StochasticWeightAveraging(swa_lrs=5e-3, swa_epoch_start=1, annealing_epochs=1))
-        elif name == "ema":
-            made.append(EMA())
-        elif name == "read_grads":
-            made.append(GradientReader())
-        elif name == "read_grads_after":
-            made.append(GradientReaderAfterStep())
-        elif name == "read_grads_backward":
-            made.append(GradientReaderAfterBackward())
-        else:
-            raise ValueError(f"unknown callback {name!r}")
-    return made
+    unknown = [name for name in names if name not in CALLBACKS]
+    if unknown:
+        raise ValueError(f"unknown callback {unknown[0]!r}")
+    return [CALLBACKS[name]() for name in names]

@@ -26,6 +26,7 @@ from torch import nn
 from megascale.core import GPTConfig, MoEConfig
 from megascale.core.model import PipelineLayers
 from megascale.core.model.moe import MoE, take_balancing_losses
+from tests.conformance.callbacks import grad_sq
 
 LR = 1e-2
 # AdamW's eps bounds how much it amplifies rounding noise in a near-zero gradient (each layout sums in its own
@@ -406,7 +407,7 @@ class ConformanceModule(LightningModule):
             optimizer.zero_grad()  # type: ignore[union-attr]
             self.manual_backward(loss)
             if self.features.get("read_grads"):  # read as numbers between the backward and the step
-                total = sum(float(p.grad.norm()) ** 2 for p in self.parameters() if p.grad is not None)
+                total = grad_sq(self)
                 self.log("user/grad_sq_manual", total, on_step=True)
                 self.clip_gradients(optimizer, gradient_clip_val=0.05, gradient_clip_algorithm="norm")
             optimizer.step()  # type: ignore[union-attr]

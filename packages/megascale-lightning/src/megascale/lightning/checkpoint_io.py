@@ -308,8 +308,15 @@ def lightning_checkpoint(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not is_checkpoint(path):
         raise FileNotFoundError(f"{path} is not a complete megascale checkpoint directory")
+    meta = torch.load(path / META_FILE, weights_only=True, map_location="cpu")
+    meta.pop(LAYOUT_KEY, None)
+    return {**meta, MODEL_KEY: _read_tensors(path, f"{MODEL_KEY}.")}
+
+
+def _read_tensors(path: Path, prefix: str) -> dict[str, Any]:
+    """The whole tensors of checkpoint directory ``path`` whose keys start with ``prefix``, keyed by the rest,
+    read on this process alone."""
     reader = FileSystemReader(path)
-    prefix = f"{MODEL_KEY}."
     state: dict[str, Any] = {
         key: torch.empty(item.size, dtype=item.properties.dtype)
         for key, item in reader.read_metadata().state_dict_metadata.items()
@@ -318,9 +325,7 @@ def lightning_checkpoint(path: str | Path) -> dict[str, Any]:
     with warnings.catch_warnings():  # one process reading on purpose: DCP says it assumes so
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(state, storage_reader=reader, no_dist=True)
-    meta = torch.load(path / META_FILE, weights_only=True, map_location="cpu")
-    meta.pop(LAYOUT_KEY, None)
-    return {**meta, MODEL_KEY: {key[len(prefix) :]: tensor for key, tensor in state.items()}}
+    return {key[len(prefix) :]: tensor for key, tensor in state.items()}
 
 
 def checkpoint_file(path: str | Path) -> io.BytesIO:
@@ -346,22 +351,15 @@ def _read_checkpoint(checkpoint: Path, module_attribute: str) -> tuple[dict[str,
     """(GPTConfig dict, the GPT's weights) of a checkpoint directory, optimizer states left unread."""
     if not is_checkpoint(checkpoint):
         raise ValueError(f"{checkpoint} is not a complete megascale checkpoint directory")
-    reader = FileSystemReader(checkpoint)
-    metadata = reader.read_metadata()
     prefix = f"{MODEL_KEY}.{module_attribute}."
-    state: dict[str, Any] = {}
-    for key, item in metadata.state_dict_metadata.items():
-        if key.startswith(prefix):
-            props = item.properties  # type: ignore[union-attr]
-            state[key] = torch.empty(item.size, dtype=props.dtype)  # type: ignore[union-attr]
-    if not state:
+    weights = _read_tensors(checkpoint, prefix)
+    if not weights:
         raise ValueError(f"{checkpoint} holds no tensors under {prefix!r}")
-    dcp.load(state, storage_reader=reader, no_dist=True)
     meta = torch.load(checkpoint / META_FILE, weights_only=True, map_location="cpu")
     config = meta.get("hyper_parameters", {}).get("config")
     if not isinstance(config, dict):
         raise ValueError(f"{checkpoint} has no GPT config in its hyper-parameters (saved by GPTModule?)")
-    return config, {key[len(prefix) :]: tensor for key, tensor in state.items()}
+    return config, weights
 
 
 def _write_one_file(output: Path, config: dict[str, Any], weights: dict[str, Any]) -> Path:

@@ -91,49 +91,44 @@ def weight_readers_between_steps(trainer: Trainer) -> list[str]:
     return readers
 
 
+def _hook_readers(
+    trainer: Trainer, callback_hooks: tuple[str, ...], module_hooks: tuple[str, ...], skip_known: bool = False
+) -> list[str]:
+    """Names of the callbacks overriding one of ``callback_hooks`` and of the LightningModule overriding one of
+    ``module_hooks`` (megascale's own overrides and any saying ``reads_gradients = False`` left out)."""
+    readers = [
+        type(callback).__name__
+        for callback in trainer.callbacks  # type: ignore[attr-defined]
+        if not (skip_known and isinstance(callback, _KNOWN))
+        and _reads_gradients(callback, callback_hooks, Callback)
+    ]
+    if _reads_gradients(trainer.lightning_module, module_hooks, LightningModule):
+        readers.append(type(trainer.lightning_module).__name__)
+    return readers
+
+
 def gradient_readers(trainer: Trainer) -> list[str]:
     """Names of the callbacks and the LightningModule that may read gradients before the optimizer step: those
     overriding ``on_after_backward`` or ``on_before_optimizer_step`` (the module also
     ``configure_gradient_clipping``), and the LightningModule under manual optimization."""
-    readers = [
-        type(callback).__name__
-        for callback in trainer.callbacks  # type: ignore[attr-defined]
-        if _reads_gradients(callback, _GRADIENT_HOOKS, Callback)
-    ]
-    module = trainer.lightning_module
-    if not module.automatic_optimization:
-        readers.append(f"{type(module).__name__} (manual optimization)")
-    elif _reads_gradients(module, _MODULE_GRADIENT_HOOKS, LightningModule):
-        readers.append(type(module).__name__)
-    return readers
+    if trainer.lightning_module.automatic_optimization:
+        return _hook_readers(trainer, _GRADIENT_HOOKS, _MODULE_GRADIENT_HOOKS)
+    callbacks = _hook_readers(trainer, _GRADIENT_HOOKS, ())
+    return [*callbacks, f"{type(trainer.lightning_module).__name__} (manual optimization)"]
 
 
 def gradient_readers_after_backward(trainer: Trainer) -> list[str]:
     """Names of the callbacks and the LightningModule overriding ``on_after_backward`` (but megascale's own and
     any saying ``reads_gradients = False``)."""
-    hooks = ("on_after_backward",)
-    readers = [
-        type(callback).__name__
-        for callback in trainer.callbacks  # type: ignore[attr-defined]
-        if _reads_gradients(callback, hooks, Callback)
-    ]
-    if _reads_gradients(trainer.lightning_module, hooks, LightningModule):
-        readers.append(type(trainer.lightning_module).__name__)
-    return readers
+    return _hook_readers(trainer, ("on_after_backward",), ("on_after_backward",))
 
 
 def gradient_readers_before_step(trainer: Trainer) -> list[str]:
     """Names of the callbacks overriding ``on_before_optimizer_step`` and of the LightningModule overriding it
     or ``configure_gradient_clipping`` (but megascale's own and any saying ``reads_gradients = False``)."""
-    readers = [
-        type(callback).__name__
-        for callback in trainer.callbacks  # type: ignore[attr-defined]
-        if _reads_gradients(callback, ("on_before_optimizer_step",), Callback)
-    ]
-    hooks = ("on_before_optimizer_step", "configure_gradient_clipping")
-    if _reads_gradients(trainer.lightning_module, hooks, LightningModule):
-        readers.append(type(trainer.lightning_module).__name__)
-    return readers
+    return _hook_readers(
+        trainer, ("on_before_optimizer_step",), ("on_before_optimizer_step", "configure_gradient_clipping")
+    )
 
 
 def manual_gradient_reader(trainer: Trainer) -> str | None:
@@ -150,15 +145,7 @@ def gradient_readers_after_step(trainer: Trainer) -> list[str]:
     the optimizer step, before the next zero_grad: those overriding ``on_train_batch_end`` or
     ``on_train_batch_start``, but Lightning's callbacks known to read none, megascale's own, and any saying
     ``reads_gradients = False``."""
-    module = trainer.lightning_module
-    if not module.automatic_optimization:  # steps inside training_step: its own reads are not served
+    if not trainer.lightning_module.automatic_optimization:  # steps inside training_step: not served here
         return []
     hooks = ("on_train_batch_end", "on_train_batch_start")
-    readers = [
-        type(callback).__name__
-        for callback in trainer.callbacks  # type: ignore[attr-defined]
-        if not isinstance(callback, _KNOWN) and _reads_gradients(callback, hooks, Callback)
-    ]
-    if _reads_gradients(module, hooks, LightningModule):
-        readers.append(type(module).__name__)
-    return readers
+    return _hook_readers(trainer, hooks, hooks, skip_known=True)
