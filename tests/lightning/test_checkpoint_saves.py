@@ -40,6 +40,23 @@ def test_a_save_before_the_first_step_changes_no_weight(tmp_path):
         assert results[f"{name} saved"]["losses"] == pytest.approx(results[name]["losses"], abs=TOL)
 
 
+def test_a_fit_resumed_from_a_checkpoint_before_the_first_step_trains_as_the_run_that_saved_it(tmp_path):
+    # The save drops the states it created, but they were written: a run resumed from that checkpoint loaded
+    # AdamW states of step 1, and its first step counted 2 (the weights moved ~2.6e-4 from the plain run's)
+    jobs = []
+    for name, strategy in LAYOUTS.items():
+        start = str(tmp_path / f"start-{name}")
+        jobs.append(job(name, strategy, 2, steps=3, save_at_start=start))
+        jobs.append(job(f"{name} resumed", strategy, 2, steps=3, resume_from=start))
+    results = fit(jobs, 2, tmp_path)
+    for name in LAYOUTS:
+        plain, resumed = results[name]["weights"], results[f"{name} resumed"]["weights"]
+        for key, value in plain.items():
+            diff = float((resumed[key] - value).abs().max())
+            assert diff <= TOL, f"{name}: {key} differs by {diff:.2e} after resuming from before the first step"
+        assert results[f"{name} resumed"]["losses"] == pytest.approx(results[name]["losses"], abs=TOL)
+
+
 def test_a_last_checkpoint_linked_under_a_new_name_each_time_replaces_the_old_link(tmp_path):
     # ModelCheckpoint(save_last="link") named "last-{step}": each save links the newest checkpoint under a new
     # name and removes the previous link through the strategy, which used rmtree on it ("Cannot call rmtree on

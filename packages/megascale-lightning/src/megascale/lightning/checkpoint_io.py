@@ -74,6 +74,9 @@ __all__ = [
 META_FILE = "meta.pt"
 LAYOUT_KEY = "megascale_layout"  # in meta.pt: the layout that saved the checkpoint (``layout_name``)
 MODEL_KEY = "state_dict"
+# in meta.pt: the optimizers that had not stepped when saved; their states (created to be saved) are dropped
+# again at load, so a run resumed from before its first step steps as the run that saved it would have
+UNSTEPPED_KEY = "megascale_unstepped_optimizers"
 ONE_FILE_FORMAT = "megascale-gpt-v1"
 
 
@@ -114,6 +117,21 @@ def _no_new_optimizer_state(optimizers: Sequence[Optimizer]) -> Iterator[None]:
             for p in optimizer_params(optimizer):
                 if id(p) not in ids:
                     optimizer.state.pop(p, None)
+
+
+def _unstepped(optimizers: Sequence[Optimizer]) -> list[int]:
+    """The optimizers holding no state on any rank (none has stepped yet)."""
+    stepped = [any(o.state.get(p) for p in optimizer_params(o)) for o in optimizers]
+    if dist.is_available() and dist.is_initialized():
+        every: list[list[bool] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, stepped)  # any backend (a CPU tensor would not do under NCCL)
+        stepped = [any(rank[i] for rank in every if rank is not None) for i in range(len(stepped))]
+    return [i for i, s in enumerate(stepped) if not s]
+
+
+def _forget_unstepped(optimizers: Sequence[Optimizer], meta: dict[str, Any]) -> None:
+    for i in meta.pop(UNSTEPPED_KEY, []):
+        optimizers[i].state.clear()
 
 
 def states(
@@ -161,6 +179,7 @@ def save(
             raise FileExistsError(f"{path} exists and is not a megascale checkpoint: not overwriting it")
         path.mkdir(parents=True, exist_ok=True)
     barrier()
+    lightning_state = {**lightning_state, UNSTEPPED_KEY: _unstepped(optimizers)}
     with _no_new_optimizer_state(optimizers):
         dcp.save(_states(model, optimizers, before_optimizer_state), checkpoint_id=path)
     if is_global_zero:
@@ -205,6 +224,7 @@ def load(
     _refuse_unloadable(path, state, meta.get(LAYOUT_KEY), layout)
     dcp.load(state, checkpoint_id=path)
     apply_states(model, optimizers, state, strict=strict, holds_all_states=holds_all_states)
+    _forget_unstepped(optimizers, meta)
     return meta
 
 
@@ -310,6 +330,7 @@ def lightning_checkpoint(path: str | Path) -> dict[str, Any]:
         raise FileNotFoundError(f"{path} is not a complete megascale checkpoint directory")
     meta = torch.load(path / META_FILE, weights_only=True, map_location="cpu")
     meta.pop(LAYOUT_KEY, None)
+    meta.pop(UNSTEPPED_KEY, None)
     return {**meta, MODEL_KEY: _read_tensors(path, f"{MODEL_KEY}.")}
 
 
