@@ -53,7 +53,9 @@ def test_a_fit_resumed_from_a_checkpoint_before_the_first_step_trains_as_the_run
         plain, resumed = results[name]["weights"], results[f"{name} resumed"]["weights"]
         for key, value in plain.items():
             diff = float((resumed[key] - value).abs().max())
-            assert diff <= TOL, f"{name}: {key} differs by {diff:.2e} after resuming from before the first step"
+            assert diff <= TOL, (
+                f"{name}: {key} differs by {diff:.2e} after resuming from before the first step"
+            )
         assert results[f"{name} resumed"]["losses"] == pytest.approx(results[name]["losses"], abs=TOL)
 
 
