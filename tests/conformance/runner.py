@@ -140,6 +140,10 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         warnings.simplefilter("always")
         trainer.fit(module, train_dataloaders=train, val_dataloaders=val, ckpt_path=job.get("resume_from"))
     result = _record(trainer, module, recorder, callbacks, work, [str(w.message) for w in caught])
+    if scenario.strategy.get("save_distributed_checkpoint") is False:  # what Lightning's readers take
+        written = [work / "end.ckpt", *sorted((work / "epochs").iterdir())]
+        if not all(path.is_file() for path in written):
+            raise AssertionError(f"not one file each: {[p.name for p in written if not p.is_file()]}")
     if init is not None:
         result["init"] = init
     return result
@@ -189,8 +193,13 @@ def _read_checkpoint(path: Path, trainer: Trainer, module: ConformanceModule) ->
     names = {id(p): n for n, p in module.named_parameters()}
     optimizers = []
     for optimizer, saved_state in zip(trainer.optimizers, saved["optimizer_states"]):
-        order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
-        lrs = {names[id(p)]: float(g["lr"]) for g in optimizer.param_groups for p in g["params"]}
+        groups = saved_state["param_groups"]
+        if all("param_names" in g for g in groups):  # MegaScaleStrategy's one file: every stage's parameters
+            order = [n for g in groups for n in g["param_names"]]
+            lrs = {n: float(g["lr"]) for g in groups for n in g["param_names"]}
+        else:  # one process: numbered in its optimizer's order
+            order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+            lrs = {names[id(p)]: float(g["lr"]) for g in optimizer.param_groups for p in g["params"]}
         state = {order[i]: {k: v.float() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
                  for i, s in saved_state["state"].items()}  # fmt: skip
         optimizers.append({"state": state, "lrs": lrs})

@@ -118,6 +118,13 @@ SCENARIOS = [
         saves=True,
     ),
     Scenario(
+        "one-file-ckpt",
+        "plain, with save_distributed_checkpoint=False: every checkpoint one file in Lightning's form",
+        trainer=dict(gradient_clip_val=0.05),
+        saves=True,
+        strategy=dict(save_distributed_checkpoint=False),
+    ),
+    Scenario(
         "finetuning",
         "BaseFinetuning: blocks frozen in setup, unfrozen with add_param_group at epoch 1",
         features=dict(eager=True),

@@ -53,6 +53,7 @@ from torch.optim import Optimizer
 
 from megascale.core import GPT, GPTConfig
 from megascale.core.parallel.zero.optimizer_state import optimizer_params
+from megascale.lightning import one_file_checkpoint
 
 __all__ = [
     "LAYOUT_KEY",
@@ -67,7 +68,9 @@ __all__ = [
     "lightning_checkpoint",
     "load",
     "load_gpt",
+    "load_one_file",
     "save",
+    "save_one_file",
     "states",
 ]
 
@@ -226,6 +229,59 @@ def load(
     apply_states(model, optimizers, state, strict=strict, holds_all_states=holds_all_states)
     _forget_unstepped(optimizers, meta)
     return meta
+
+
+def save_one_file(
+    path: str,
+    model: nn.Module,
+    optimizers: Sequence[Optimizer],
+    lightning_state: dict[str, Any],
+    *,
+    write: Callable[[dict[str, Any], str], None],
+    sends_model: bool,
+    sends_optimizers: bool,
+    is_global_zero: bool,
+    barrier: Callable[[], None],
+    before_optimizer_state: Callable[[Optimizer], None] = lambda _: None,
+) -> None:
+    """Write ``path`` as one file in Lightning's form (``one_file_checkpoint``) collectively: gathered onto
+    global rank 0, which writes it with ``write(checkpoint, path)`` (a ``CheckpointIO.save_checkpoint``)."""
+    lightning_state = {**lightning_state, UNSTEPPED_KEY: _unstepped(optimizers)}
+    with _no_new_optimizer_state(optimizers):
+        whole = one_file_checkpoint.gathered_checkpoint(
+            model, optimizers, sends_model=sends_model, sends_optimizers=sends_optimizers,
+            before_optimizer_state=before_optimizer_state,
+        )  # fmt: skip
+    if is_global_zero:
+        assert whole is not None
+        local = Path(path)
+        if "://" not in path and local.is_dir():  # a directory checkpoint of an earlier run under this name
+            if not is_checkpoint(local):
+                raise IsADirectoryError(
+                    f"{path} is a directory and not a megascale checkpoint: not replacing it"
+                )
+            shutil.rmtree(local)
+        write({**lightning_state, **whole}, path)
+    barrier()
+
+
+def load_one_file(
+    checkpoint: dict[str, Any],
+    model: nn.Module,
+    optimizers: Sequence[Optimizer],
+    *,
+    strict: bool = True,
+    before_optimizer_state: Callable[[Optimizer], None] = lambda _: None,
+    holds_all_states: Callable[[Optimizer], bool] = lambda _: True,
+) -> dict[str, Any]:
+    """Load a one-file checkpoint (read on every rank, by ``save_one_file`` or Lightning's ``DDPStrategy``) into
+    this layout, and return Lightning's remaining state."""
+    one_file_checkpoint.load_into(
+        model, optimizers, checkpoint, strict=strict, before_optimizer_state=before_optimizer_state,
+        holds_all_states=holds_all_states,
+    )  # fmt: skip
+    _forget_unstepped(optimizers, checkpoint)
+    return checkpoint
 
 
 def layout_name(layout: dict[str, Any] | None) -> str:

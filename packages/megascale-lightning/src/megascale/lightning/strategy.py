@@ -27,6 +27,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
@@ -132,6 +133,12 @@ class MegaScaleStrategy(ParallelStrategy):
             values that data-parallel replicas and tensor-parallel ranks should hold equal, and stop the run
             naming any that differ (``megascale.core.parallel.replica_check``; one small all-gather per check);
             0 turns it off.
+        save_distributed_checkpoint: True (the default): each checkpoint is a torch.distributed.checkpoint
+            directory, every rank writing its own shards (``checkpoint_io``); any layout resumes it, and
+            ``megascale convert`` or ``checkpoint_io.checkpoint_file`` read it as one file. False: one file in
+            Lightning's own form, whole tensors gathered onto rank 0 (``one_file_checkpoint``), which
+            ``load_from_checkpoint``, ``torch.load`` and DDP read, and any layout resumes: for models that fit
+            one process's memory. ``Trainer.fit(ckpt_path=...)`` reads either form whatever this says.
         device_mesh: a ("dp", "pp", "cp", "tp") mesh to train on instead of building one at each fit
             (``ParallelDims.build_mesh``), for several fits in one process: each new mesh creates process
             groups that stay open (sockets, store keys) until the process ends.
@@ -165,6 +172,7 @@ class MegaScaleStrategy(ParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         replica_check_steps: int = 2,
+        save_distributed_checkpoint: bool = True,
         device_mesh: DeviceMesh | None = None,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
@@ -190,6 +198,7 @@ class MegaScaleStrategy(ParallelStrategy):
         # None: the layout chose ZeRO-1's sharding (the start-up line says so)
         self._zero1_sharding_given = zero1_sharding is not None
         self.meta_init = meta_init
+        self.save_distributed_checkpoint = save_distributed_checkpoint
         self._replica_guard = ReplicaGuard(replica_check_steps)
         self._process_group_backend = process_group_backend
         self._timeout = timeout
@@ -700,28 +709,58 @@ class MegaScaleStrategy(ParallelStrategy):
         if storage_options is not None:
             raise TypeError("MegaScaleStrategy.save_checkpoint does not take storage_options")
         self._wait_for_params()
-        path = Path(self.broadcast(str(filepath)))
+        where = str(self.broadcast(str(filepath)))  # a local path or a URL (one file)
         checkpoint = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         rng = self._rng_states()
         if rng is not None:
             checkpoint[RNG_KEY] = rng
         checkpoint[checkpoint_io.LAYOUT_KEY] = self._layout()
         assert self.model is not None
+        if not self.save_distributed_checkpoint:
+            self._save_one_file(checkpoint, where)
+            return
         checkpoint_io.save(
-            path, self.model, self._stepping_optimizers, checkpoint, is_global_zero=self.is_global_zero,
+            Path(where), self.model, self._stepping_optimizers, checkpoint, is_global_zero=self.is_global_zero,
             barrier=self.barrier, before_optimizer_state=self.runtime.zero.prepare_optimizer_state,
+        )  # fmt: skip
+
+    def _save_one_file(self, checkpoint: dict[str, Any], path: str) -> None:
+        assert self.model is not None
+        where = dict(zip(MESH_DIMS, self.device_mesh.get_coordinate() or [0] * len(MESH_DIMS)))
+        first_of_stage = where["dp"] == where["cp"] == where["tp"] == 0
+        # ZeRO-1 by parameters: each dp rank holds the states of the parameters it owns (also after fit)
+        owners = (
+            where["cp"] == where["tp"] == 0
+            and self.plan.zero_stage == 1
+            and self.plan.zero1_sharding == "parameters"
+        )
+        checkpoint_io.save_one_file(
+            path, self.model, self._stepping_optimizers, checkpoint, write=self.checkpoint_io.save_checkpoint,
+            sends_model=first_of_stage, sends_optimizers=first_of_stage or owners,
+            is_global_zero=self.is_global_zero, barrier=self.barrier,
+            before_optimizer_state=self.runtime.zero.prepare_optimizer_state,
         )  # fmt: skip
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         self._wait_for_params()
-        path = Path(self.broadcast(str(checkpoint_path)))
+        where = str(self.broadcast(str(checkpoint_path)))
         assert self.model is not None and self.lightning_module is not None
-        checkpoint = checkpoint_io.load(
-            path, self.model, self._stepping_optimizers, strict=self.lightning_module.strict_loading,
-            before_optimizer_state=self.runtime.zero.prepare_optimizer_state,
-            holds_all_states=self._holds_all_states, layout=self._layout(),
-        )  # fmt: skip
+        strict, prepare = self.lightning_module.strict_loading, self.runtime.zero.prepare_optimizer_state
+        optimizers = self._stepping_optimizers
+        if get_filesystem(where).isfile(
+            where
+        ):  # one file: save_distributed_checkpoint=False wrote it, or DDP
+            saved = self.checkpoint_io.load_checkpoint(where, map_location="cpu", weights_only=True)
+            checkpoint = checkpoint_io.load_one_file(
+                saved, self.model, optimizers, strict=strict, before_optimizer_state=prepare,
+                holds_all_states=self._holds_all_states,
+            )  # fmt: skip
+        else:
+            checkpoint = checkpoint_io.load(
+                Path(where), self.model, optimizers, strict=strict, before_optimizer_state=prepare,
+                holds_all_states=self._holds_all_states, layout=self._layout(),
+            )  # fmt: skip
         checkpoint.pop(checkpoint_io.LAYOUT_KEY, None)
         # restored at the first training step, not now: Lightning creates the data iterator in between, which
         # draws from the default generator (DataLoader's base seed) where the saved run had drawn long before

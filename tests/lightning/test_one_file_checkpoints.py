@@ -1,0 +1,77 @@
+"""``MegaScaleStrategy(save_distributed_checkpoint=False)``: one checkpoint file in Lightning's own form (issue 48
+case 6), which Lightning's readers take (``os.path.isfile``, ``torch.load(weights_only=True)``,
+``load_from_checkpoint``) and every layout resumes, DDP's included, both ways.
+
+Each layout trains the GPT 4 steps with a ModelCheckpoint every 2 (as DDP does, which writes the same form);
+another layout resumes its step-2 file (a cycle through all, DDP -> ZeRO-3 and pp2 -> DDP among them) and must
+end as DDP's own 4 steps: losses of steps 3-4, samples, weights and AdamW's state, to test_resume_layouts's
+tolerances. The files' weights must be the saving run's exactly.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from megascale.lightning import GPTModule
+from tests.lightning._launch import fit
+from tests.lightning.test_resume_layouts import _compare_all
+from tests.lightning.test_strategy import job
+
+STEPS, SAVED_AT = 4, 2
+ONE_FILE = dict(save_distributed_checkpoint=False)
+# name: (strategy kwargs or None for Lightning's DDPStrategy, dp size); world 2
+SAVERS = {
+    "ddp": (None, 2),
+    "dp2/zero0": (dict(zero_stage=0, **ONE_FILE), 2),
+    "dp2/zero1": (dict(zero_stage=1, **ONE_FILE), 2),
+    "dp2/zero1 by parameters": (dict(zero_stage=1, zero1_sharding="parameters", **ONE_FILE), 2),
+    "dp2/zero2": (dict(zero_stage=2, **ONE_FILE), 2),
+    "dp2/zero3": (dict(zero_stage=3, **ONE_FILE), 2),
+    "tp2": (dict(tp=2, **ONE_FILE), 1),
+    "pp2": (dict(pp=2, **ONE_FILE), 1),
+}
+# resumed layout <- the layout whose file it resumes: one cycle through every layout
+RESUMES = {
+    "dp2/zero3": "ddp",
+    "ddp": "pp2",
+    "pp2": "dp2/zero1 by parameters",
+    "dp2/zero1 by parameters": "dp2/zero0",
+    "dp2/zero0": "tp2",
+    "tp2": "dp2/zero1",
+    "dp2/zero1": "dp2/zero2",
+    "dp2/zero2": "dp2/zero3",
+}
+
+
+def _slug(name: str) -> str:
+    return name.replace("/", "-").replace(" ", "-")
+
+
+def test_one_file_checkpoints_are_lightnings_and_resume_under_every_layout_and_ddp(tmp_path):
+    root = tmp_path / "checkpoints"
+    jobs = []
+    for name, (strategy, dp) in SAVERS.items():
+        jobs.append(job(name, strategy, dp, steps=STEPS, checkpoint_every=SAVED_AT, checkpoint_dir=str(root / _slug(name)),
+                        optimizer_state=True))  # fmt: skip
+    for name, saved in RESUMES.items():
+        strategy, dp = SAVERS[name]
+        strategy = None if strategy is None else {k: v for k, v in strategy.items() if k not in ONE_FILE}
+        jobs.append(job(f"{name} <- {saved}", strategy, dp, steps=STEPS, optimizer_state=True,
+                        resume_from=str(root / _slug(saved) / f"step={SAVED_AT}.ckpt")))  # fmt: skip
+    results = fit(jobs, 2, tmp_path, timeout=900)
+    reference = results["ddp"]
+    for name in SAVERS:
+        _compare_all(results[name], reference, name)
+        last = root / _slug(name) / f"step={STEPS}.ckpt"
+        assert os.path.isfile(last), f"{name}: {last} is not one file"
+        saved = torch.load(last, weights_only=True, map_location="cpu")
+        assert len(saved["optimizer_states"]) == 1 and saved["optimizer_states"][0]["state"], name
+        loaded = GPTModule.load_from_checkpoint(last).state_dict()
+        assert loaded.keys() == results[name]["weights"].keys(), name
+        for key, value in results[name]["weights"].items():
+            assert torch.equal(saved["state_dict"][key].float(), value), f"{name}: {key} saved otherwise"
+            assert torch.equal(loaded[key].float(), value), f"{name}: {key} loaded otherwise"
+    for name, saved in RESUMES.items():
+        _compare_all(results[f"{name} <- {saved}"], reference, f"{name} <- {saved}", first_step=SAVED_AT)
