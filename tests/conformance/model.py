@@ -315,7 +315,7 @@ class ConformanceModule(LightningModule):
         # so (else ZeRO-1 would all-reduce whole gradients for every scenario: weight_readers.py)
         self.reads_gradients = any(
             self.features.get(k) for k in ("log_grad_norm", "clip_in_module", "torch_clip", "read_grads")
-        )
+        ) or self.features.get("manual") in ("closure", "split")  # as a manual module that says nothing is
         if self.features.get("eager"):  # built here, as callbacks that copy or freeze it in setup() need
             self.configure_model()
 
@@ -401,6 +401,18 @@ class ConformanceModule(LightningModule):
     def _manual_step(self, batch: Any) -> None:
         if self.features["manual"] == "accumulate":  # one optimizer, stepped every second batch
             return self._manual_accumulation(batch)
+        if self.features["manual"] == "closure":  # the same, the second backward inside step(closure=...)
+            return self._closure_accumulation(batch)
+        if self.features["manual"] == "split":  # one backward, both optimizers step (a Muon + AdamW loop)
+            matrices, vectors = self.optimizers()  # type: ignore[misc]
+            loss = self._loss(batch)
+            matrices.zero_grad()
+            vectors.zero_grad()
+            self.manual_backward(loss)
+            matrices.step()
+            vectors.step()
+            self.log("train/loss", loss.detach(), on_step=True, sync_dist=True)
+            return None
         if self.features["manual"] == "single":  # one optimizer, the loop Lightning's docs show
             optimizer = self.optimizers()
             loss = self._loss(batch)
@@ -444,6 +456,23 @@ class ConformanceModule(LightningModule):
             optimizer.zero_grad()  # type: ignore[union-attr]
         self.log("train/loss", loss.detach(), on_step=True, sync_dist=True)
 
+    def _closure_accumulation(self, batch: Any) -> None:
+        optimizer = self.optimizers()
+        losses = []
+
+        def closure() -> torch.Tensor:
+            loss = self._loss(batch)
+            self.manual_backward(loss / 2)
+            losses.append(loss.detach())
+            return loss
+
+        if (self.trainer.fit_loop.epoch_loop.batch_progress.current.completed + 1) % 2 == 0:
+            optimizer.step(closure=closure)  # type: ignore[union-attr]
+            optimizer.zero_grad()  # type: ignore[union-attr]
+        else:
+            closure()
+        self.log("train/loss", losses[0], on_step=True, sync_dist=True)
+
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         loss = self._loss(batch)
         self.log("val/loss", loss, on_epoch=True, sync_dist=True)
@@ -479,8 +508,13 @@ class ConformanceModule(LightningModule):
 
     def configure_optimizers(self) -> Any:
         assert self.net is not None
-        if self.features.get("manual") in ("accumulate", "single"):
+        if self.features.get("manual") in ("accumulate", "single", "closure"):
             return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=LR, eps=EPS)
+        if self.features.get("manual") == "split":  # every layer's matrices in one, its vectors in the other
+            params = [p for p in self.parameters() if p.requires_grad]
+            matrices = [p for p in params if p.dim() >= 2]
+            vectors = [p for p in params if p.dim() < 2]
+            return torch.optim.AdamW(matrices, lr=LR, eps=EPS), torch.optim.SGD(vectors, lr=0.1, momentum=0.9)
         if self.features.get("manual"):
             blocks = [p for p in self.net.blocks.parameters() if p.requires_grad]
             rest = [

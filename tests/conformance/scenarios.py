@@ -173,6 +173,17 @@ SCENARIOS = [
         trainer=dict(max_epochs=3),
     ),
     Scenario(
+        "manual-closure",
+        "manual optimization accumulating two batches by hand, the second's backward in optimizer.step(closure=...)",
+        features=dict(manual="closure"),
+        trainer=dict(max_epochs=3),
+    ),
+    Scenario(
+        "manual-split",
+        "manual optimization, two optimizers over every layer: its matrices in AdamW, its vectors in SGD",
+        features=dict(manual="split"),
+    ),
+    Scenario(
         "manual-toggle",
         "Lightning's GAN example: toggle_optimizer/untoggle_optimizer around each of two optimizers, a model "
         "listing no layers",
@@ -384,6 +395,8 @@ REFUSED: dict[str, list[tuple[Any, str]]] = {
     "swa": [(_sharded, "StochasticWeightAveraging cannot run under MegaScaleStrategy")],
     "manual": [(_pipelined, "manual optimization (automatic_optimization=False) cannot run")],
     "manual-accumulate": [(_pipelined, "manual optimization (automatic_optimization=False) cannot run")],
+    "manual-closure": [(_pipelined, "manual optimization (automatic_optimization=False) cannot run")],
+    "manual-split": [(_pipelined, "manual optimization (automatic_optimization=False) cannot run")],
     "manual-read-grads": [(_pipelined, "manual optimization (automatic_optimization=False) cannot run")],
     # a model listing no layers cannot be split into stages: said before manual optimization's own refusal
     "manual-toggle": [

@@ -279,3 +279,58 @@ class LBFGSModule(OwnTransformerModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.LBFGS(self.parameters(), lr=0.1, max_iter=2)
+
+
+class _BoringManual(LightningModule):
+    """Lightning's BoringModel (one Linear(32, 2) on random vectors) reading the language-model batches as
+    vectors, with manual optimization (issue 48, case 5)."""
+
+    def __init__(self, vocab: int = 64) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        torch.manual_seed(0)
+        self.layer = nn.Linear(32, 2)
+
+    def _loss(self, batch: Any) -> torch.Tensor:
+        inputs, _ = _batch(batch)
+        x = torch.nn.functional.one_hot(inputs[:, :2] % 16, 16).float().flatten(1)  # (B, 32)
+        return self.layer(x).pow(2).mean()
+
+
+class ClosureAccumulationModule(_BoringManual):
+    """Two batches accumulated by hand, the second's backward inside ``opt.step(closure=...)``."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        opt = self.optimizers()
+
+        def closure() -> torch.Tensor:
+            loss = self._loss(batch) / 2
+            self.manual_backward(loss)
+            return loss
+
+        if (batch_idx + 1) % 2 == 0:
+            loss = opt.step(closure=closure)
+            opt.zero_grad()
+        else:
+            loss = closure()
+        self.log("train/loss", loss.detach(), on_step=True, sync_dist=True)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+class TwoOptimizersOneLayerModule(_BoringManual):
+    """Two optimizers over the one layer: its weight in AdamW, its bias in SGD."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        first, second = self.optimizers()
+        loss = self._loss(batch)
+        first.zero_grad()
+        second.zero_grad()
+        self.manual_backward(loss)
+        first.step()
+        second.step()
+        self.log("train/loss", loss.detach(), on_step=True, sync_dist=True)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW([self.layer.weight], lr=1e-2), torch.optim.SGD([self.layer.bias], lr=0.1)

@@ -574,6 +574,9 @@ class MegaScaleStrategy(ParallelStrategy):
         self.runtime.zero.after_backward()
 
     def _before_optimizer_step(self, optimizer: Optimizer) -> None:
+        # a closure given to optimizer.step() ran its manual_backward inside the step: the gradients it
+        # gathered whole for reading are split again before the update, as optimizer_step does for the others
+        self._split_gathered()
         self.runtime.check_first_step()
         self._replica_guard.check_gradients(optimizer, self.model, self.runtime)
         self.runtime.zero.before_optimizer_step(optimizer)
