@@ -11,7 +11,9 @@ weight after each step, as an EMA would), "checkpoint_every": n and "checkpoint_
 ModelCheckpoint writing "step=<k>.ckpt" every n steps; "checkpoint_save_last" and "checkpoint_last_name" set its
 save_last and CHECKPOINT_NAME_LAST), "optimizer_state": true (optional: record the whole
 optimizer state after fit), "save_at_start": path (optional: trainer.save_checkpoint there in on_train_start),
-"deepcopy_callbacks": true (optional: copy.deepcopy(trainer.callbacks) after fit, recorded), "expect_error": true (optional: record the exception fit raises instead of
+"deepcopy_callbacks": true (optional: copy.deepcopy(trainer.callbacks) after fit, recorded), "best_dir": path
+(optional: a ModelCheckpoint keeping the 2 best by val/loss there, then validate/test/predict(ckpt_path="best")
+recorded as "best_path", "best_score", "kept", "validated", "tested", "predicted"), "expect_error": true (optional: record the exception fit raises instead of
 failing)}, ...]}
 OUT.pt (written by global rank 0): {name: {"losses": [per optimizer step, as logged (synced over ranks)],
 "weights": {name: full fp32 tensor}, "samples": [per optimizer step, the fingerprints of the union batch of
@@ -118,6 +120,19 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
             every.CHECKPOINT_NAME_LAST = job["checkpoint_last_name"]
         trainer_kwargs["callbacks"] = [*trainer_kwargs["callbacks"], every]
         trainer_kwargs["enable_checkpointing"] = True
+    best = None
+    if job.get("best_dir"):  # top-2 checkpoints by val/loss, then validate/test/predict(ckpt_path="best")
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        best = ModelCheckpoint(
+            dirpath=job["best_dir"],
+            filename="{step}",
+            monitor="val/loss",
+            mode=job.get("best_mode", "min"),
+            save_top_k=2,
+        )
+        trainer_kwargs["callbacks"] = [*trainer_kwargs["callbacks"], best]
+        trainer_kwargs["enable_checkpointing"] = True
     trainer_kwargs.update(job.get("trainer", {}))
     trainer = Trainer(**trainer_kwargs)
     try:
@@ -128,6 +143,19 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         return {"error": str(error)}
     if job.get("save_at_end"):
         trainer.save_checkpoint(job["save_at_end"])
+    after_best: dict[str, Any] = {}
+    if best is not None:  # each reads the best checkpoint through the strategy
+        after_best["best_path"] = best.best_model_path
+        after_best["best_score"] = float(best.best_model_score)
+        after_best["kept"] = sorted(os.path.basename(p) for p in best.best_k_models)
+        after_best["validated"] = trainer.validate(module, datamodule=data, ckpt_path="best", verbose=False)[
+            0
+        ]
+        after_best["tested"] = trainer.test(
+            module, dataloaders=data.val_dataloader(), ckpt_path="best", verbose=False
+        )[0]
+        predicted = trainer.predict(module, dataloaders=data.val_dataloader(), ckpt_path="best")
+        after_best["predicted"] = torch.cat([p.float() for p in predicted]) if predicted else None
     copied_callbacks = None
     if job.get("deepcopy_callbacks"):  # what a sweep or a notebook does with a finished trainer's callbacks
         import copy
@@ -147,6 +175,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"losses": record.losses, "weights": weights, "expert_load": record.expert_load}
     if copied_callbacks is not None:
         out["copied_callbacks"] = copied_callbacks
+    out.update(after_best)
     dims = getattr(trainer.strategy, "_dims", None)  # MegaScaleStrategy: the layout it ran
     if dims is not None:
         out["layout"] = {

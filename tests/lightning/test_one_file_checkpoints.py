@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 from megascale.lightning import GPTModule
@@ -75,3 +76,29 @@ def test_one_file_checkpoints_are_lightnings_and_resume_under_every_layout_and_d
             assert torch.equal(loaded[key].float(), value), f"{name}: {key} loaded otherwise"
     for name, saved in RESUMES.items():
         _compare_all(results[f"{name} <- {saved}"], reference, f"{name} <- {saved}", first_step=SAVED_AT)
+
+
+def test_the_best_checkpoint_serves_validate_test_and_predict_in_either_form(tmp_path):
+    # ModelCheckpoint keeping the 2 best by val/loss, then trainer.validate/test/predict(ckpt_path="best"): each
+    # loads that checkpoint (a directory or a file) into the split model, so validation gives back the very
+    # score it was kept for. mode="max" keeps the earliest validations: "best" is not the weights fit ended
+    # with, which a load that did nothing would also validate
+    forms = {
+        "dp2/zero3 directory": (dict(zero_stage=3), 2),
+        "dp2/zero1 file": (dict(zero_stage=1, **ONE_FILE), 2),
+        "tp2 file": (dict(tp=2, **ONE_FILE), 1),
+    }
+    jobs = []
+    for name, (strategy, dp) in forms.items():
+        j = job(name, strategy, dp, steps=6, best_dir=str(tmp_path / _slug(name)), best_mode="max")
+        j["trainer"] = dict(j["trainer"], val_check_interval=2, limit_val_batches=2, limit_test_batches=2,
+                            limit_predict_batches=2)  # fmt: skip
+        jobs.append(j)
+    results = fit(jobs, 2, tmp_path)
+    for name in forms:
+        result = results[name]
+        assert len(result["kept"]) == 2 and not result["best_path"].endswith("step=6.ckpt"), name
+        assert os.path.isfile(result["best_path"]) == name.endswith("file"), name
+        assert result["validated"]["val/loss"] == pytest.approx(result["best_score"], abs=1e-6), name
+        assert result["tested"]["test/loss"] == pytest.approx(result["best_score"], abs=1e-6), name
+        assert result["predicted"] is not None and result["predicted"].shape[-1] == 100, name
