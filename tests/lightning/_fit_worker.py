@@ -13,7 +13,7 @@ save_last and CHECKPOINT_NAME_LAST), "optimizer_state": true (optional: record t
 optimizer state after fit), "save_at_start": path (optional: trainer.save_checkpoint there in on_train_start),
 "deepcopy_callbacks": true (optional: copy.deepcopy(trainer.callbacks) after fit, recorded), "best_dir": path
 (optional: a ModelCheckpoint keeping the 2 best by val/loss there, then validate/test/predict(ckpt_path="best")
-recorded as "best_path", "best_score", "kept", "validated", "tested", "predicted"), "expect_error": true (optional: record the exception fit raises instead of
+recorded as "best_path", "best_score", "kept", "validated", "tested", "predicted"), "expect_error": true (optional: record the exception fit or the save at its end raises instead of
 failing)}, ...]}
 OUT.pt (written by global rank 0): {name: {"losses": [per optimizer step, as logged (synced over ranks)],
 "weights": {name: full fp32 tensor}, "samples": [per optimizer step, the fingerprints of the union batch of
@@ -137,12 +137,12 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     trainer = Trainer(**trainer_kwargs)
     try:
         trainer.fit(module, datamodule=data, ckpt_path=job.get("resume_from"))
+        if job.get("save_at_end"):
+            trainer.save_checkpoint(job["save_at_end"])
     except Exception as error:  # every rank raises (a refusal is collective)
         if not job.get("expect_error"):
             raise
         return {"error": str(error)}
-    if job.get("save_at_end"):
-        trainer.save_checkpoint(job["save_at_end"])
     after_best: dict[str, Any] = {}
     if best is not None:  # each reads the best checkpoint through the strategy
         after_best["best_path"] = best.best_model_path

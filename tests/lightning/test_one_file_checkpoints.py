@@ -102,3 +102,36 @@ def test_the_best_checkpoint_serves_validate_test_and_predict_in_either_form(tmp
         assert result["validated"]["val/loss"] == pytest.approx(result["best_score"], abs=1e-6), name
         assert result["tested"]["test/loss"] == pytest.approx(result["best_score"], abs=1e-6), name
         assert result["predicted"] is not None and result["predicted"].shape[-1] == 100, name
+
+
+def test_a_one_file_checkpoint_goes_to_and_comes_from_a_url(tmp_path):
+    # written by the strategy's CheckpointIO (fsspec) on rank 0 and read on every rank: a file:// URL here, as
+    # an s3:// one would be (Lightning's TorchCheckpointIO takes both); saved after a ZeRO-1 fit, resumed at ZeRO-3
+    url = f"file://{tmp_path}/remote/step2.ckpt"
+    jobs = [
+        job("uninterrupted", dict(zero_stage=3), 2, steps=STEPS, optimizer_state=True),
+        job("saved", dict(zero_stage=1, **ONE_FILE), 2, steps=SAVED_AT, save_at_end=url),
+        job("resumed", dict(zero_stage=3), 2, steps=STEPS, resume_from=url, optimizer_state=True),
+    ]
+    results = fit(jobs, 2, tmp_path)
+    assert os.path.isfile(tmp_path / "remote" / "step2.ckpt")
+    _compare_all(results["resumed"], results["uninterrupted"], "resumed from a URL", first_step=SAVED_AT)
+
+
+def test_a_checkpoint_directory_at_a_url_is_refused_by_name(tmp_path):
+    # DCP directories are written with local paths: an s3:// URL made a local folder named "s3:" silently
+    jobs = [
+        job(
+            "directory",
+            dict(zero_stage=1),
+            2,
+            steps=1,
+            save_at_end="s3://bucket/run/end.ckpt",
+            expect_error=True,
+        )
+    ]
+    results = fit(jobs, 2, tmp_path)
+    assert (
+        "save one file instead (MegaScaleStrategy(save_distributed_checkpoint=False)"
+        in results["directory"]["error"]
+    )

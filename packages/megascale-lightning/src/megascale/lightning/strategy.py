@@ -723,7 +723,7 @@ class MegaScaleStrategy(ParallelStrategy):
             self._save_one_file(checkpoint, where)
             return
         checkpoint_io.save(
-            Path(where), self.model, self._stepping_optimizers, checkpoint, is_global_zero=self.is_global_zero,
+            _local_directory(where), self.model, self._stepping_optimizers, checkpoint, is_global_zero=self.is_global_zero,
             barrier=self.barrier, before_optimizer_state=self.runtime.zero.prepare_optimizer_state,
         )  # fmt: skip
 
@@ -761,7 +761,7 @@ class MegaScaleStrategy(ParallelStrategy):
             )  # fmt: skip
         else:
             checkpoint = checkpoint_io.load(
-                Path(where), self.model, optimizers, strict=strict, before_optimizer_state=prepare,
+                _local_directory(where), self.model, optimizers, strict=strict, before_optimizer_state=prepare,
                 holds_all_states=self._holds_all_states, layout=self._layout(),
             )  # fmt: skip
         checkpoint.pop(checkpoint_io.LAYOUT_KEY, None)
@@ -866,6 +866,19 @@ class MegaScaleStrategy(ParallelStrategy):
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(cls.strategy_name, cls, description="megascale tensor × pipeline × ZeRO")
+
+
+def _local_directory(where: str) -> Path:
+    """A checkpoint directory's path: local (or mounted); ``file://`` URLs are local paths too."""
+    if where.startswith("file://"):
+        return Path(where[len("file://") :])
+    if "://" in where:
+        raise ValueError(
+            f"{where}: MegaScaleStrategy writes and reads checkpoint directories on local or mounted paths; for "
+            "a URL, save one file instead (MegaScaleStrategy(save_distributed_checkpoint=False), written through "
+            "fsspec), or checkpoint to a mounted path"
+        )
+    return Path(where)
 
 
 if MegaScaleStrategy.strategy_name not in StrategyRegistry:
