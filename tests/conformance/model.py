@@ -314,7 +314,8 @@ class ConformanceModule(LightningModule):
         # the hooks below are overridden for the scenarios that use them; the others read no gradient, and say
         # so (else ZeRO-1 would all-reduce whole gradients for every scenario: weight_readers.py)
         self.reads_gradients = any(
-            self.features.get(k) for k in ("log_grad_norm", "clip_in_module", "torch_clip", "read_grads")
+            self.features.get(k)
+            for k in ("log_grad_norm", "clip_in_module", "torch_clip", "read_grads", "log_tensors")
         ) or self.features.get("manual") in ("closure", "split")  # as a manual module that says nothing is
         if self.features.get("eager"):  # built here, as callbacks that copy or freeze it in setup() need
             self.configure_model()
@@ -480,6 +481,12 @@ class ConformanceModule(LightningModule):
             self.log("val/loss_sum", loss * len(batch[0]), on_epoch=True, sync_dist=True, reduce_fx="sum")
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.features.get("log_tensors"):  # tensors, not numbers: DTensors where the layout splits them
+            assert self.net is not None
+            up = self.net.blocks[0].attn.q.weight
+            assert up.grad is not None
+            self.log("user/up_grad_norm", up.grad.norm(), on_step=True, sync_dist=True)
+            self.log_dict({"user/up_norm": up.norm(), "user/up_max": up.max()}, on_step=True)  # not synced
         which = self.features.get("log_grad_norm")
         if which == "lightning":
             self.log_dict(grad_norm(self, norm_type=2))

@@ -103,9 +103,12 @@ class Scenario:
     # (pp splits them into microbatches, cp into sequence pieces; an MoE layer's all-to-all pairs ranks)
     whole_samples_only: bool = False
     strategy: dict[str, Any] = field(default_factory=dict)  # MegaScaleStrategy arguments besides the layout's
+    one_stage_only: bool = False  # reads a layer that only one pipeline stage holds
 
     def runs_under(self, layout: Layout) -> bool:
         if self.tp_only and layout.tp == 1:
+            return False
+        if self.one_stage_only and layout.pp > 1:
             return False
         return not (self.whole_samples_only and (layout.pp > 1 or layout.cp > 1 or layout.moe))
 
@@ -257,6 +260,12 @@ SCENARIOS = [
         "manual optimization reading float(p.grad.norm()) of every parameter between manual_backward and the "
         "step, logged, then clipping by norm with self.clip_gradients",
         features=dict(manual="single", read_grads=True),
+    ),
+    Scenario(
+        "log-tensors",
+        "self.log/log_dict of tensors from a layer's gradient and weight (p.grad.norm() synced, p.norm() and p.max() not)",
+        features=dict(log_tensors=True),
+        one_stage_only=True,  # a layer of the first block, which one pipeline stage holds
     ),
     Scenario("tied", "embedding tied to the output layer", features=dict(tie=True)),
     Scenario("buffers", "a causal-mask buffer computed in __init__", features=dict(mask_buffer=True)),

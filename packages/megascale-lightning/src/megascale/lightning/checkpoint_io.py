@@ -98,12 +98,7 @@ def _states(
         try:
             state[f"optimizer_{i}"] = get_optimizer_state_dict(model, optimizer, options=_options(True))
         except NotImplementedError as error:  # torch's message speaks of flattening, not of the optimizer
-            raise ValueError(
-                f"{type(optimizer).__name__}'s state cannot be written to a megascale checkpoint "
-                f"(torch.distributed.checkpoint: {error}); its values are not one tensor per parameter (LBFGS "
-                "keeps lists of past steps). Train with an optimizer whose state is per parameter (AdamW, SGD, "
-                "LAMB), or without checkpoints"
-            ) from error
+            raise one_file_checkpoint.unwritable_state(optimizer, error) from error
     return state
 
 

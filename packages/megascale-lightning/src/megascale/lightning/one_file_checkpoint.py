@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.optim import Optimizer
 from torch.utils._pytree import tree_map
 
-__all__ = ["gathered_checkpoint", "load_into"]
+__all__ = ["gathered_checkpoint", "load_into", "unwritable_state"]
 
 MODEL_KEY = "state_dict"
 OPTIMIZERS_KEY = "optimizer_states"
@@ -41,18 +41,23 @@ def _on_cpu(state: Any) -> Any:
     return tree_map(lambda v: v.detach().cpu() if isinstance(v, torch.Tensor) else v, state)
 
 
+def unwritable_state(optimizer: Optimizer, error: NotImplementedError) -> ValueError:
+    """What torch.distributed.checkpoint's refusal of ``optimizer``'s state means, naming the optimizer."""
+    return ValueError(
+        f"{type(optimizer).__name__}'s state cannot be written to a megascale checkpoint "
+        f"(torch.distributed.checkpoint: {error}); its values are not one tensor per parameter (LBFGS "
+        "keeps lists of past steps). Train with an optimizer whose state is per parameter (AdamW, SGD, "
+        "LAMB), or without checkpoints"
+    )
+
+
 def _whole_optimizer_state(model: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
     try:
         return dict(
             get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
         )
     except NotImplementedError as error:  # torch's message speaks of flattening, not of the optimizer
-        raise ValueError(
-            f"{type(optimizer).__name__}'s state cannot be written to a megascale checkpoint "
-            f"(torch.distributed.checkpoint: {error}); its values are not one tensor per parameter (LBFGS "
-            "keeps lists of past steps). Train with an optimizer whose state is per parameter (AdamW, SGD, "
-            "LAMB), or without checkpoints"
-        ) from error
+        raise unwritable_state(optimizer, error) from error
 
 
 def gathered_checkpoint(
