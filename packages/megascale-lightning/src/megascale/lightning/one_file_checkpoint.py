@@ -93,20 +93,29 @@ def gathered_checkpoint(
     return {MODEL_KEY: merged, OPTIMIZERS_KEY: optimizer_states}
 
 
+def _one_process_groups(groups_by_rank: list[list[list[str]]]) -> list[list[str]]:
+    """Each group's parameter names as one process holds them: the ranks' (pipeline stages', ZeRO-1 owners')
+    lists of that group, in rank order, each name once."""
+    names: list[list[str]] = []
+    seen: set[str] = set()
+    for groups in groups_by_rank:
+        for g, group in enumerate(groups):
+            if g == len(names):
+                names.append([])
+            names[g] += [name for name in group if name not in seen]
+            seen.update(group)
+    return names
+
+
 def _torch_form(parts: list[dict[str, Any]]) -> dict[str, Any]:
     """Name-keyed optimizer state dicts of ranks (pipeline stages, ZeRO-1 owners), in rank order, as one
     ``Optimizer.state_dict()`` of one process: parameters numbered group by group, stage after stage."""
-    names: list[list[str]] = []
-    settings: list[dict[str, Any]] = []
+    names = _one_process_groups([[group["params"] for group in part["param_groups"]] for part in parts])
+    settings: dict[int, dict[str, Any]] = {}
     state: dict[str, Any] = {}
-    seen: set[str] = set()
     for part in parts:
         for g, group in enumerate(part["param_groups"]):
-            if g == len(names):
-                names.append([])
-                settings.append({k: v for k, v in group.items() if k not in ("params", "param_names")})
-            names[g] += [name for name in group["params"] if name not in seen]
-            seen.update(group["params"])
+            settings.setdefault(g, {k: v for k, v in group.items() if k not in ("params", "param_names")})
         for name, value in part["state"].items():
             state.setdefault(name, value)
     number = {name: i for i, name in enumerate(name for group in names for name in group)}
@@ -130,15 +139,8 @@ def _every_rank(value: Any) -> list[Any]:
 def _one_process_names(template: dict[str, Any]) -> list[str]:
     """The parameter names in one process's order (groups in turn, each stage after stage), from every rank's
     name-keyed ``template``: what numbers an ``Optimizer.state_dict()`` written without ``param_names``."""
-    names: list[list[str]] = []
-    seen: set[str] = set()
-    for groups in _every_rank([group["params"] for group in template["param_groups"]]):
-        for g, group in enumerate(groups):
-            if g == len(names):
-                names.append([])
-            names[g] += [name for name in group if name not in seen]
-            seen.update(group)
-    return [name for group in names for name in group]
+    groups = _one_process_groups(_every_rank([group["params"] for group in template["param_groups"]]))
+    return [name for group in groups for name in group]
 
 
 def _by_name(
