@@ -142,7 +142,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     except Exception as error:  # every rank raises (a refusal is collective)
         if not job.get("expect_error"):
             raise
-        return {"error": str(error)}
+        return {"error": "\n".join([str(error), *getattr(error, "__notes__", [])])}
     after_best: dict[str, Any] = {}
     if best is not None:  # each reads the best checkpoint through the strategy
         after_best["best_path"] = best.best_model_path

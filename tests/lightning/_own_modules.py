@@ -334,3 +334,44 @@ class TwoOptimizersOneLayerModule(_BoringManual):
 
     def configure_optimizers(self) -> Any:
         return torch.optim.AdamW([self.layer.weight], lr=1e-2), torch.optim.SGD([self.layer.bias], lr=0.1)
+
+
+class HandReducedGradientsModule(_BoringManual):
+    """Sums its weight's gradient over the ranks by hand with ``dist.all_reduce`` and logs the sum divided by the
+    world size as ``train/loss`` (DDP's averaged gradient, summed). ``where``: "before_step"
+    (``on_before_optimizer_step``), "batch_end" (``on_train_batch_end``), or "whole" (before the step, on
+    ``full_tensor()`` of a DTensor, as the refusal's message advises)."""
+
+    def __init__(self, where: str = "whole", vocab: int = 64) -> None:
+        super().__init__(vocab)
+        self.automatic_optimization = True
+        self.where = where
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        if self.where == "batch_end":  # callbacks' on_train_batch_end (the tests' recorder) runs before ours
+            self.log("train/loss", loss.detach(), on_step=True, sync_dist=True)
+        return loss
+
+    def _hand_reduced(self) -> None:
+        import torch.distributed as dist
+        from torch.distributed.tensor import DTensor
+
+        grad = self.layer.weight.grad
+        assert grad is not None
+        if self.where == "whole" and isinstance(grad, DTensor):
+            grad = grad.full_tensor()
+        summed = grad.detach().clone()
+        dist.all_reduce(summed)
+        self.log("train/loss", summed.sum() / dist.get_world_size(), on_step=True)
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.where in ("before_step", "whole"):
+            self._hand_reduced()
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.where == "batch_end":
+            self._hand_reduced()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)

@@ -25,7 +25,7 @@ from typing_extensions import override
 
 from megascale.core._dtensor import is_dtensor, local
 from megascale.core.parallel.grad_clip import clip_grad_norm_
-from megascale.lightning.dtensor_errors import first_line
+from megascale.lightning.dtensor_errors import first_line, is_collective_on_dtensor, named
 from megascale.lightning.whole_gradients import whole_gradients
 
 __all__ = ["MegaScaleMixedPrecision", "MegaScalePrecision", "to_megascale_precision"]
@@ -64,8 +64,12 @@ class _GlobalNormClipping:
         try:
             with reading:
                 super()._after_closure(model, optimizer)  # type: ignore[misc]
-        except RuntimeError as error:
-            if not any(is_dtensor(p.grad) for p in model.parameters() if p.grad is not None):
+        except (RuntimeError, NotImplementedError) as error:
+            if is_collective_on_dtensor(error):
+                raise named(error, "on_before_optimizer_step or configure_gradient_clipping") from error
+            if isinstance(error, NotImplementedError) or not any(
+                is_dtensor(p.grad) for p in model.parameters() if p.grad is not None
+            ):
                 raise
             first = first_line(error)
             raise RuntimeError(

@@ -510,8 +510,8 @@ class MegaScaleStrategy(ParallelStrategy):
                     self.lightning_module.trainer.accumulate_grad_batches, batch_idx
                 ):
                     return self._redirected("training_step", *args, **kwargs)
-        except RuntimeError as error:
-            if dtensor_errors.is_dtensor_mixing(error):
+        except (RuntimeError, NotImplementedError) as error:
+            if dtensor_errors.is_dtensor_refusal(error):
                 raise dtensor_errors.named(error, "training_step") from error
             raise
 
@@ -852,6 +852,13 @@ class MegaScaleStrategy(ParallelStrategy):
             checkpoint_io.remove(filepath)
 
     # ---- teardown -----------------------------------------------------------------------------------
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        # torch's DTensor refusal in a hook no wrapper here catches (a callback, on_train_batch_end): Lightning
+        # re-raises the error as it is, so the layout's cause and the change go on it as a note
+        if dtensor_errors.is_dtensor_refusal(exception):
+            exception.add_note(f"MegaScaleStrategy: {dtensor_errors.advice(exception)}")
 
     @override
     def teardown(self) -> None:
