@@ -1,4 +1,5 @@
-"""What every format module gives the reader, and how a URL finds its format (no torch, no pyarrow here).
+"""What every format module gives the reader, the registry they join, and how a URL finds its format (no torch,
+no pyarrow here).
 
 A format reads one *unit* of a file as a stream of samples (``{"__key__", "__url__", text_key: bytes}``,
 WebDataset's shape, so preprocessing and packing are the same for every format) from a `ReadCursor` on. A
@@ -16,10 +17,11 @@ from typing import Any
 
 from fsspec.spec import AbstractFileSystem
 
-__all__ = ["FORMATS", "Format", "ReadCursor", "format_of", "split_unit"]
+__all__ = ["FORMATS", "Format", "ReadCursor", "format_of", "load", "register", "split_unit"]
 
 FORMATS = ("tar", "parquet", "jsonl")
 _UNIT = re.compile(r"^(.*)#row_group=(\d+)$")
+_REGISTERED: dict[str, Format] = {}
 
 
 class ReadCursor:
@@ -39,8 +41,13 @@ class Format:
 
     name: str
     read: Callable[[AbstractFileSystem, str, str, ReadCursor, str], Iterator[dict[str, Any]]]
-    corrupt: tuple[type[BaseException], ...]
+    # the errors that mean a damaged file; a function, as they may come from an optional extra (pyarrow)
+    corrupt_errors: Callable[[], tuple[type[BaseException], ...]]
     default_text_key: str
+
+    @property
+    def corrupt(self) -> tuple[type[BaseException], ...]:
+        return self.corrupt_errors()
 
 
 def split_unit(url: str) -> tuple[str, int | None]:
@@ -64,18 +71,16 @@ def format_of(url: str, explicit: str | None = None) -> str:
     return "tar"
 
 
+def register(fmt: Format) -> Format:
+    """Make ``fmt`` what ``load(fmt.name)`` returns; each format module registers itself when imported."""
+    if fmt.name not in FORMATS:
+        raise ValueError(f"format {fmt.name!r} is not one of {', '.join(FORMATS)}")
+    _REGISTERED[fmt.name] = fmt
+    return fmt
+
+
 def load(name: str) -> Format:
-    """The format module's reader (imported on first use: pyarrow and zstandard are optional extras)."""
-    if name == "tar":
-        from megascale.data.formats import tar
-
-        return Format("tar", tar.read, tar.CORRUPT, tar.DEFAULT_TEXT_KEY)
-    if name == "jsonl":
-        from megascale.data.formats import jsonl
-
-        return Format("jsonl", jsonl.read, jsonl.corrupt_errors(), jsonl.DEFAULT_TEXT_KEY)
-    if name == "parquet":
-        from megascale.data.formats import parquet
-
-        return Format("parquet", parquet.read, parquet.corrupt_errors(), parquet.DEFAULT_TEXT_KEY)
-    raise ValueError(f"format {name!r} is not one of {', '.join(FORMATS)}")
+    """The registered format ``name`` (the package ``megascale.data.formats`` imports every format module)."""
+    if name not in _REGISTERED:
+        raise ValueError(f"format {name!r} is not one of {', '.join(sorted(_REGISTERED))}")
+    return _REGISTERED[name]

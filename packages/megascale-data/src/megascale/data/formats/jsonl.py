@@ -16,9 +16,9 @@ from typing import Any
 
 from fsspec.spec import AbstractFileSystem
 
-from megascale.data.formats.base import ReadCursor
+from megascale.data.formats.base import Format, ReadCursor, register
 
-__all__ = ["DEFAULT_TEXT_KEY", "TruncatedError", "corrupt_errors", "read"]
+__all__ = ["DEFAULT_TEXT_KEY", "FORMAT", "TruncatedError", "corrupt_errors", "read"]
 
 DEFAULT_TEXT_KEY = "text"
 
@@ -97,3 +97,6 @@ def read(
             if isinstance(record, dict) and isinstance(record.get(text_key), str):
                 sample[text_key] = record[text_key].encode("utf-8")
             yield sample
+
+
+FORMAT = register(Format("jsonl", read, corrupt_errors, DEFAULT_TEXT_KEY))

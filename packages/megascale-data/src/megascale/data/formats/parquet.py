@@ -13,9 +13,9 @@ from typing import Any
 
 from fsspec.spec import AbstractFileSystem
 
-from megascale.data.formats.base import ReadCursor
+from megascale.data.formats.base import Format, ReadCursor, register
 
-__all__ = ["DEFAULT_TEXT_KEY", "corrupt_errors", "read", "row_groups"]
+__all__ = ["DEFAULT_TEXT_KEY", "FORMAT", "corrupt_errors", "read", "row_groups"]
 
 DEFAULT_TEXT_KEY = "text"
 
@@ -87,3 +87,6 @@ def read(
         elif isinstance(text, bytes):
             sample[text_key] = text
         yield sample
+
+
+FORMAT = register(Format("parquet", read, corrupt_errors, DEFAULT_TEXT_KEY))

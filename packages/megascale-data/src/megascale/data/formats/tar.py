@@ -14,9 +14,9 @@ from typing import Any, BinaryIO, cast
 
 from fsspec.spec import AbstractFileSystem
 
-from megascale.data.formats.base import ReadCursor
+from megascale.data.formats.base import Format, ReadCursor, register
 
-__all__ = ["CORRUPT", "EXTENSIONS", "read"]
+__all__ = ["CORRUPT", "EXTENSIONS", "FORMAT", "read"]
 
 EXTENSIONS = (".tar", ".tar.gz", ".tgz")
 DEFAULT_TEXT_KEY = "txt"
@@ -98,3 +98,6 @@ def read(
             sample[ext] = data
         if sample is not None and not skip:
             yield sample
+
+
+FORMAT = register(Format("tar", read, lambda: CORRUPT, DEFAULT_TEXT_KEY))
