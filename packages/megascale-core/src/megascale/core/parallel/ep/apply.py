@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.distributed as dist
@@ -30,15 +30,25 @@ from megascale.core.parallel.zero import ZeroRuntime
 
 if TYPE_CHECKING:
     from megascale.core.config import GPTConfig
-    from megascale.core.parallel.plan import ParallelPlan
     from megascale.core.parallel.wait_timer import WaitTimer
 
 __all__ = ["ExpertReplicas", "apply_expert_parallel", "check_expert_parallel", "expert_mesh", "expert_params"]
 
 
-def check_expert_parallel(config: GPTConfig, plan: ParallelPlan) -> None:
-    """Raise ValueError for what a GPT of ``config`` cannot do under ``plan`` because of its mixture of experts
-    or of ``plan.ep``, naming what to change."""
+class ExpertLayout(Protocol):
+    """What ``check_expert_parallel`` reads of a layout (a ``ParallelPlan`` has it; ep/ does not import plan)."""
+
+    @property
+    def ep(self) -> int: ...
+    @property
+    def zero_stage(self) -> int: ...
+    @property
+    def zero1_sharding(self) -> str | None: ...
+
+
+def check_expert_parallel(config: GPTConfig, plan: ExpertLayout) -> None:
+    """Raise ValueError for what a GPT of ``config`` cannot do under ``plan`` (a ``ParallelPlan``) because of its
+    mixture of experts or of ``plan.ep``, naming what to change."""
     moe = config.moe
     if moe is None:
         if plan.ep > 1:
