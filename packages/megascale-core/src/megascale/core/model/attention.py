@@ -8,7 +8,7 @@ all heads: tensor parallelism replicates them and sums their gradients over the 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -19,10 +19,7 @@ from megascale.core.model.linear import FanInLinear, FanOutLinear
 from megascale.core.model.norm import make_norm
 from megascale.core.model.rope import RotaryEmbedding
 
-if TYPE_CHECKING:
-    from megascale.core.parallel.cp import ContextParallel
-
-__all__ = ["Attention", "SelfAttention", "qkv_bias_names", "qkv_features"]
+__all__ = ["Attention", "ChunkedSequenceAttention", "SelfAttention", "qkv_bias_names", "qkv_features"]
 
 
 def qkv_features(config: GPTConfig) -> dict[str, int]:
@@ -38,6 +35,20 @@ def qkv_bias_names(config: GPTConfig) -> tuple[str, ...]:
     return ("q", "k", "v") if config.bias or config.qkv_bias else ()
 
 
+class ChunkedSequenceAttention(Protocol):
+    """Attention for a layout whose ranks each hold chunks of a longer sequence: the rotary tables at this
+    rank's positions, and attention over the keys/values of every rank (context parallelism's
+    ``megascale.core.parallel.cp.ContextParallel``)."""
+
+    def rope_tables(
+        self, cos: torch.Tensor, sin: torch.Tensor, local_len: int
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, window: int | None
+    ) -> torch.Tensor: ...
+
+
 class SelfAttention(nn.Module):
     """softmax(rope(q) rope(k)^T / sqrt(hd) + causal/window mask) v, on (B, T, heads·hd) projections.
 
@@ -46,7 +57,7 @@ class SelfAttention(nn.Module):
     chunks of a longer sequence: rotary angles at their positions, keys/values of the others brought in.
     """
 
-    context_parallel: ContextParallel | None = None
+    context_parallel: ChunkedSequenceAttention | None = None
 
     def __init__(self, config: GPTConfig, rope: RotaryEmbedding, window: int | None) -> None:
         super().__init__()

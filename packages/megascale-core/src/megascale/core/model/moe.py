@@ -26,7 +26,6 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 
 from megascale.core import kernels
 from megascale.core._dtensor import local
@@ -39,6 +38,7 @@ __all__ = [
     "MoE",
     "Router",
     "Routing",
+    "SequenceSplit",
     "attach_balancing_losses",
     "expert_load",
     "moe_layers",
@@ -92,6 +92,16 @@ class Dispatcher(Protocol):
     def __call__(self, rows: torch.Tensor, counts: torch.Tensor, experts: GroupedExperts) -> torch.Tensor: ...
 
 
+class SequenceSplit(Protocol):
+    """A layout that gives each rank a part of every sequence (tensor parallelism's sequence shards, context
+    parallelism's chunks): how the layer gathers whole sequences for its router and keeps its own part of the
+    output (``megascale.core.parallel.tp_comm.SequenceSplitOverMesh``)."""
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def split(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
 class MoE(nn.Module):
     """The mixture-of-experts feed-forward: ``forward(x)`` maps (B, T, d_model) to (B, T, d_model).
 
@@ -105,11 +115,11 @@ class MoE(nn.Module):
 
     dispatcher: Dispatcher | None = None
     pending_loss: torch.Tensor | None = None
-    #: set by tensor parallelism with sequence parallelism (the tp mesh) and by context parallelism (the cp
-    #: mesh): over them the layer gathers whole sequences, routes them through whole experts on every rank
-    #: alike and keeps its own part of the output
-    sequence_parallel_mesh: DeviceMesh | None = None
-    context_parallel_mesh: DeviceMesh | None = None
+    #: set by tensor parallelism with sequence parallelism and by context parallelism: through them the layer
+    #: gathers whole sequences, routes them through whole experts on every rank alike and keeps its own part
+    #: of the output
+    sequence_parallel_split: SequenceSplit | None = None
+    context_parallel_split: SequenceSplit | None = None
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -141,20 +151,13 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # the balancing statistics and the routing are then those of whole sequences, as on one process (the
         # order of a sequence's tokens does not matter to them, so cp's chunks are gathered as they are)
-        splits = [(m, 1.0) for m in (self.sequence_parallel_mesh,) if m is not None]
-        if self.context_parallel_mesh is not None:  # cp ranks differentiate cp × their part of the loss
-            splits.append((self.context_parallel_mesh, float(self.context_parallel_mesh.size())))
-        if not splits:
-            routed = self._routed(x)
-        else:
-            from megascale.core.parallel.tp_comm import gather_to_replicated_region, split_to_sp_region
-
-            whole = x
-            for mesh, scale in splits:  # tp's shards of this rank's cp chunks first, then the chunks
-                whole = gather_to_replicated_region(whole, mesh.get_group(), grad_scale=scale)
-            routed = self._routed(whole)
-            for mesh, scale in reversed(splits):
-                routed = split_to_sp_region(routed, mesh.get_group(), grad_scale=1.0 / scale)
+        splits = [s for s in (self.sequence_parallel_split, self.context_parallel_split) if s is not None]
+        whole = x
+        for split in splits:  # tp's shards of this rank's cp chunks first, then the chunks
+            whole = split.gather(whole)
+        routed = self._routed(whole)
+        for split in reversed(splits):
+            routed = split.split(routed)
         if self.shared is not None:  # on (B, T, d) (sequence shards under SP): split over tp like any MLP
             routed = routed + self.shared(x)
         return routed

@@ -49,6 +49,7 @@ from megascale.core.model.norm import LayerNorm, RMSNorm
 from megascale.core.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megascale.core.parallel.overlap import column_parallel_matmul, row_parallel_matmul
 from megascale.core.parallel.tp_comm import (
+    SequenceSplitOverMesh,
     copy_to_tp_region,
     reduce_from_tp_region,
     reduce_scatter_to_sp_region,
@@ -331,7 +332,7 @@ def apply_tensor_parallel(
         if isinstance(module, NextTokenLoss):
             return VocabParallelCrossEntropy(module, tp_mesh, model.config.padded_vocab_size)
         if isinstance(module, MoE):  # routed whole on every tp rank; its shared experts split as MLPs below
-            module.sequence_parallel_mesh = tp_mesh if sequence_parallel else None
+            module.sequence_parallel_split = SequenceSplitOverMesh(tp_mesh) if sequence_parallel else None
         return None
 
     # token counts must be multiples of tp under sequence parallelism (generation pads to it)

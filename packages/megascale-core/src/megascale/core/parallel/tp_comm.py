@@ -25,13 +25,17 @@ the layer calling them owns it. Default: untimed.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
 
 from megascale.core.parallel.wait_timer import WaitTimer, untimed
 
 __all__ = [
+    "SequenceSplitOverMesh",
     "all_gather_flat",
     "all_gather_seq",
     "copy_to_tp_region",
@@ -189,3 +193,19 @@ def reduce_scatter_to_sp_region(
     x: torch.Tensor, group: ProcessGroup, *, timer: WaitTimer = untimed
 ) -> torch.Tensor:
     return _ReduceScatterToSP.apply(x, group, timer)
+
+
+@dataclass(frozen=True)
+class SequenceSplitOverMesh:
+    """A sequence split over the ranks of ``mesh`` (1-D), as a ``MoE`` layer routes it (``model.moe.SequenceSplit``):
+    gathered whole, the output split again. Gradients through the gather are scaled by ``grad_scale`` and back
+    by its inverse (context-parallel ranks differentiate cp × their part of the loss)."""
+
+    mesh: DeviceMesh
+    grad_scale: float = 1.0
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        return gather_to_replicated_region(x, self.mesh.get_group(), grad_scale=self.grad_scale)
+
+    def split(self, x: torch.Tensor) -> torch.Tensor:
+        return split_to_sp_region(x, self.mesh.get_group(), grad_scale=1.0 / self.grad_scale)

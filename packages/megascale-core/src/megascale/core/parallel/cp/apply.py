@@ -25,6 +25,7 @@ from megascale.core.model.moe import MoE
 from megascale.core.parallel.cp.attention import ContextParallel
 from megascale.core.parallel.cp.loss import ContextParallelLoss
 from megascale.core.parallel.cp.sharding import shard_sequence
+from megascale.core.parallel.tp_comm import SequenceSplitOverMesh
 
 __all__ = ["apply_context_parallel", "check_context_parallel"]
 
@@ -64,7 +65,7 @@ def apply_context_parallel(model: GPT, cp_mesh: DeviceMesh) -> GPT:
         if isinstance(m, SelfAttention):
             m.context_parallel = ContextParallel(group, rank, cp)
         if isinstance(m, MoE):  # routes whole sequences (gathered over cp), as one process does
-            m.context_parallel_mesh = cp_mesh
+            m.context_parallel_split = SequenceSplitOverMesh(cp_mesh, grad_scale=float(cp))
     if model.embed is not None:  # the first pipeline stage, or the whole model
         model.embed.register_forward_pre_hook(_keep_chunks(rank, cp))
     model.loss_fn = ContextParallelLoss(model.loss_fn, group)
