@@ -4,7 +4,7 @@ A Llama-shaped GPT (default d_model 1024, 8 layers, GQA 16/8 heads, SwiGLU 2816,
 160M parameters, 610 MiB in fp32) is written as a Hugging Face directory (``save_hf``), then loaded on
 --world gloo ranks in the layout given (default tp2 × pp2), each method in fresh processes:
 
-    slices     what megascale does: the GPT built on the meta device, ``GPT.pretrained = DIR``,
+    slices     what megascale does: the GPT built on the meta device, ``GPT.weights_source = HFWeights(DIR)``,
                ``parallelize`` (tensor/pipeline split, then ``init_weights`` reads each rank's slices)
     baseline   what a user would otherwise write: every rank loads the whole checkpoint
                (``gpt_from_hf(DIR)``: its whole state dict, as a model), then ``parallelize`` splits it
@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from megascale.core import GPT, GPTConfig
-from megascale.core.hf import gpt_from_hf, save_hf
+from megascale.core.hf import HFWeights, gpt_from_hf, save_hf
 from megascale.core.parallel import ParallelPlan, parallelize
 
 METHODS = ("slices", "baseline")
@@ -110,7 +110,7 @@ def _rank(rank: int, world: int, args: argparse.Namespace, method: str, store: s
     if method == "slices":
         with torch.device("meta"):
             model = GPT(_config(args))
-        model.pretrained = args.dir
+        model.weights_source = HFWeights(args.dir)
     else:
         model = gpt_from_hf(args.dir)
     runtime = parallelize(model, plan, mesh, device="cpu")

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megascale.core import GPT
-from megascale.core.hf import gpt_config_from_hf
+from megascale.core.hf import HFWeights, gpt_config_from_hf
 from megascale.core.parallel import ParallelPlan, parallelize
 from tests._models import full_weights
 
@@ -91,7 +91,7 @@ def load_and_evaluate(rank: int, world: int, hf_dir: str, layouts: dict[str, dic
         mesh = plan.dims(world).build_mesh("cpu")
         with torch.device("meta"):
             model = GPT(config)
-        model.pretrained = hf_dir
+        model.weights_source = HFWeights(hf_dir)
         with counting_reads() as reads:
             runtime = parallelize(model, plan, mesh, device="cpu")
         inputs, targets = batch(config.vocab_size)

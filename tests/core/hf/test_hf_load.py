@@ -1,4 +1,4 @@
-"""Loading a Hugging Face checkpoint into a GPT in any layout: ``GPT.pretrained`` + ``parallelize``.
+"""Loading a Hugging Face checkpoint into a GPT in any layout: ``GPT.weights_source`` + ``parallelize``.
 
 A tiny Llama (llama3 rope scaling, GQA, untied, vocabulary 200 padded to 256) and a tiny Qwen2 (q/k/v biases,
 tied embeddings) are saved by transformers, then loaded on real gloo ranks under tp2, pp2, dp2 ZeRO-3 and
@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file
 
 from megascale.core import GPT, GPTConfig
-from megascale.core.hf import gpt_from_hf, load_hf_weights_
+from megascale.core.hf import HFWeights, gpt_from_hf, load_hf_weights_
 from tests._dist import run_distributed
 from tests.core.hf._load_worker import batch, load_and_evaluate
 from tests.core.hf._tiny_hf import save_tiny
@@ -139,6 +139,9 @@ def test_meta_parameters_and_a_seed_with_pretrained_are_refused(llama):
     with pytest.raises(ValueError, match="meta device"):
         load_hf_weights_(model, llama)
     model = GPT(config)
-    model.pretrained = llama
+    model.weights_source = HFWeights(llama)
     with pytest.raises(ValueError, match="loads its weights from"):
         model.init_weights(seed=3)
+    # the attribute before the HF side held the loader: refused by name, never silently random weights
+    with pytest.raises(AttributeError, match=r"model.weights_source = megascale.core.hf.HFWeights"):
+        model.pretrained = llama

@@ -26,6 +26,7 @@ from megascale.core import GPT, GPTConfig, generate
 from megascale.core.config import MoEConfig
 from megascale.core.hf import (
     HFCheckpoint,
+    HFWeights,
     gpt_config_from_hf,
     gpt_from_hf,
     hf_config_from_gpt,
@@ -137,14 +138,14 @@ def test_a_megascale_moe_exports_and_transformers_agrees(tmp_path):
 
 
 def test_a_model_built_on_meta_loads_in_init_weights_and_trains(tmp_path):
-    """``GPT.pretrained``: what parallelize does, on one process; the routers' counters start at zero (they
+    """``GPT.weights_source``: what parallelize does, on one process; the routers' counters start at zero (they
     are no weights, so the loader sets them), and a training step's loss adds the balancing loss."""
     save_tiny("mixtral", False, tmp_path)
     reference = gpt_from_hf(tmp_path)
     with torch.device("meta"):
         model = GPT(gpt_config_from_hf(json.loads((tmp_path / "config.json").read_text())))
     model.to_empty(device="cpu")
-    model.pretrained = str(tmp_path)
+    model.weights_source = HFWeights(tmp_path)
     model.init_weights()
     for name, tensor in reference.state_dict().items():
         assert torch.equal(model.state_dict()[name], tensor), name

@@ -8,7 +8,7 @@
 # time `configure_optimizers` runs (param groups use the logical `ndim`; LAMB and AdamW take DTensors).
 #
 # Continuing from a Hugging Face checkpoint (`pretrained=DIR`): the config comes from DIR/config.json, and the
-# GPT is told where its weights are (`GPT.pretrained`), so whoever materialises it loads them through
+# GPT is told where its weights are (`GPT.weights_source`), so whoever materialises it loads them through
 # `init_weights()` — a strategy after the tensor/pipeline split and before ZeRO, each rank reading only its
 # slices; without a meta-device context (one process, DDP) `configure_model` itself.
 #
@@ -58,7 +58,7 @@ from torch import Tensor, nn
 
 from megascale.core import GPT, GPTConfig, flops_per_token
 from megascale.core import generate as _generate
-from megascale.core.hf import OVERRIDABLE, HFCheckpoint, config_conflicts, gpt_config_from_hf
+from megascale.core.hf import OVERRIDABLE, HFCheckpoint, HFWeights, config_conflicts, gpt_config_from_hf
 from megascale.core.optim import LAMB
 from megascale.core.parallel.grad_clip import grad_norm
 from megascale.lightning.data import data_parallel_layout
@@ -248,7 +248,7 @@ class GPTModule(LightningModule):
         ``init_seed`` becomes the GPT's ``init_seed``, which its ``init_weights()`` uses.
 
         With ``pretrained`` the GPT is built on the meta device and told where its weights are
-        (``GPT.pretrained``): under a meta-device context it stays there, for the strategy to split and then
+        (``GPT.weights_source``): under a meta-device context it stays there, for the strategy to split and then
         materialise (``init_weights()`` loads each rank's slices); otherwise it is given memory on the context's
         device and loaded at once, without drawing random weights first.
         """
@@ -258,7 +258,7 @@ class GPTModule(LightningModule):
             device = torch.get_default_device()  # the strategy's tensor_init_context: meta, or its device
             with torch.device("meta"):
                 model = GPT(self.config)
-            model.pretrained = self.pretrained
+            model.weights_source = HFWeights(self.pretrained)
             if device.type != "meta":
                 model.to_empty(device=device)
                 model.init_weights()

@@ -4,6 +4,7 @@ from megascale.core.hf import gpt_from_hf, save_hf
 model = gpt_from_hf("path/to/Llama-3.2-1B")             # config.json + safetensors → GPT
 save_hf(model, None, "out/", token_ids={"eos_token_id": 2})   # GPT → a directory transformers loads
 load_hf_weights_(split_model, "path/to/Llama-3.2-1B")   # a tp/pp-split GPT: each rank reads its slices
+meta_model.weights_source = HFWeights("path/to/Llama-3.2-1B")   # loaded so when parallelize materialises it
 
 Model types: llama (Llama 2/3, 3.1/3.2 rope scaling), qwen2 (q/k/v biases), qwen3 (q/k norms, head_dim),
 mistral (sliding window), and the mixtures of experts mixtral and qwen3_moe (``GPTConfig.moe``). Needs the ``hf`` extra: ``pip install 'megascale-core[hf]'``.
@@ -18,7 +19,7 @@ from megascale.core.hf.config import (
 )
 from megascale.core.hf.convert import gpt_from_hf, load_hf_state_dict, save_hf
 from megascale.core.hf.io import HFCheckpoint, write_safetensors
-from megascale.core.hf.load import LoadReport, load_hf_weights_, local_box
+from megascale.core.hf.load import HFWeights, LoadReport, load_hf_weights_, local_box
 from megascale.core.hf.metadata import TOKEN_FIELDS, generation_config, hf_metadata, infer_model_type
 from megascale.core.hf.weights import (
     TensorMapping,
@@ -33,6 +34,7 @@ __all__ = [
     "OVERRIDABLE",
     "TOKEN_FIELDS",
     "HFCheckpoint",
+    "HFWeights",
     "LoadReport",
     "TensorMapping",
     "check_hf_tensors",

@@ -22,8 +22,8 @@ No collective is used: every rank reads its own part from the shared files. Name
 zeroed. The whole checkpoint is checked against ``model.config`` from the headers and config.json before
 anything is read.
 
-Where it runs: ``GPT.init_weights()`` calls it when ``GPT.pretrained`` names a directory, so a GPT built on
-the meta device and materialised after it was split (``megascale.core.parallel.parallelize`` step 3, before
+Where it runs: ``GPT.init_weights()`` calls it when ``GPT.weights_source`` is an ``HFWeights(path)`` (the
+model's seam: the model does not import the HF side), so a GPT built on the meta device and materialised after it was split (``megascale.core.parallel.parallelize`` step 3, before
 ZeRO shards anything) is loaded where random weights would otherwise be drawn.
 """
 
@@ -41,7 +41,7 @@ from megascale.core.hf.weights import TensorMapping, check_hf_tensors
 from megascale.core.model.gpt import GPT
 from megascale.core.model.moe import reset_router_buffers
 
-__all__ = ["LoadReport", "load_hf_weights_", "local_box"]
+__all__ = ["HFWeights", "LoadReport", "load_hf_weights_", "local_box"]
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,25 @@ class LoadReport:
     tensors: int
     bytes_read: int
     bytes_in_checkpoint: int
+
+
+@dataclass(frozen=True)
+class HFWeights:
+    """A Hugging Face model directory as a GPT's weights (``GPT.weights_source``): ``init_weights()``, which
+    ``parallelize`` calls once the model is split, loads them, each rank reading only the slices it holds.
+
+        with torch.device("meta"):
+            model = GPT(gpt_config_from_hf(HFCheckpoint(path).config))
+        model.weights_source = HFWeights(path)
+    """
+
+    path: str | Path
+
+    def load_into(self, model: GPT) -> None:
+        load_hf_weights_(model, self.path)
+
+    def __str__(self) -> str:
+        return str(self.path)
 
 
 def local_box(param: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -120,7 +139,7 @@ def load_hf_weights_(model: GPT, path: str | Path) -> LoadReport:
             if param.is_meta:
                 raise ValueError(
                     f"parameter {name} is on the meta device: materialise the model first (to_empty), or let "
-                    "init_weights() load it (GPT.pretrained)"
+                    "init_weights() load it (GPT.weights_source = HFWeights(path))"
                 )
             mappings = by_name[name]
             if mappings[0].expert is None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import zlib
 from pathlib import Path
-from typing import cast
+from typing import Protocol, cast
 
 import torch
 from torch import nn
@@ -68,22 +68,41 @@ class NextTokenLoss(nn.Module):
         )
 
 
+class WeightsSource(Protocol):
+    """Weights that ``GPT.init_weights()`` loads in place of random ones, each rank filling the parameters (and
+    shards) it holds: ``megascale.core.hf.HFWeights`` reads a Hugging Face model directory."""
+
+    def load_into(self, model: GPT) -> None: ...
+
+
 class GPT(nn.Module):
     """A decoder-only transformer. ``GPT(config)(tokens)`` gives logits; with ``targets`` it gives the loss.
 
     Built on the meta device (``with torch.device("meta")``), it allocates nothing; ``to_empty`` and
     ``init_weights`` then give exactly the weights a direct build gives under the same seed, also after the
-    model was split (tensor parallel, pipeline stages, FSDP). Set ``pretrained`` to a Hugging Face model
-    directory before that, and ``init_weights`` loads its weights instead, each rank reading only its part.
+    model was split (tensor parallel, pipeline stages, FSDP). Set ``weights_source`` before that (a Hugging
+    Face model directory: ``megascale.core.hf.HFWeights(path)``), and ``init_weights`` loads its weights
+    instead, each rank reading only its part.
     """
 
     init_weights_handles_shards = True  # init_weights fills tensor-parallel shards itself, layout independent
     embed: TokenEmbedding | None  # None on pipeline ranks that hold no first stage
     head: LMHead | None  # None on pipeline ranks that hold no last stage
     sequence_multiple: int = 1  # sequence lengths must be multiples of this (sequence parallelism sets tp)
-    #: a Hugging Face model directory whose weights ``init_weights()`` loads instead of drawing random ones
-    #: (``megascale.core.hf.load_hf_weights_``); None: random weights from ``init_seed``
-    pretrained: str | Path | None = None
+    #: what ``init_weights()`` loads instead of drawing random weights (``megascale.core.hf.HFWeights``);
+    #: None: random weights from ``init_seed``
+    weights_source: WeightsSource | None = None
+
+    @property
+    def pretrained(self) -> None:
+        return None
+
+    @pretrained.setter
+    def pretrained(self, path: str | Path | None) -> None:  # the attribute before weights_source: not ignored
+        raise AttributeError(
+            f"GPT.pretrained = {path!r}: set model.weights_source = megascale.core.hf.HFWeights({path!r}) "
+            "instead (the Hugging Face loader lives on the HF side)"
+        )
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -167,9 +186,9 @@ class GPT(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:
         """Normal(0, init_std) weights, output projections scaled by 1/sqrt(2·n_layers) (GPT-2), biases 0,
-        norm weights 1; rotary tables recomputed. With ``pretrained`` set, the weights of that Hugging Face
-        model directory instead, of which each rank reads only the slices it holds (no seed is used then:
-        giving one is an error).
+        norm weights 1; rotary tables recomputed. With ``weights_source`` set, its weights instead (a Hugging
+        Face model directory, of which each rank reads only the slices it holds; no seed is used then: giving
+        one is an error).
 
         Every parameter draws from its own generator, seeded by ``seed`` and its name, so the values do not
         depend on the layout: a tensor-parallel shard, a pipeline stage holding some layers, or the whole
@@ -177,15 +196,13 @@ class GPT(nn.Module):
         ``init_seed``, drawn from the global RNG when the model was built (so ``torch.manual_seed`` decides as
         usual); a given seed replaces it.
         """
-        if self.pretrained is not None:
+        if self.weights_source is not None:
             if seed is not None:
                 raise ValueError(
-                    f"init_weights(seed={seed}): this GPT loads its weights from {self.pretrained} (pretrained); "
-                    "set pretrained = None to draw random weights"
+                    f"init_weights(seed={seed}): this GPT loads its weights from {self.weights_source} "
+                    "(weights_source); set weights_source = None to draw random weights"
                 )
-            from megascale.core.hf.load import load_hf_weights_  # safetensors: only when loading
-
-            load_hf_weights_(self, self.pretrained)
+            self.weights_source.load_into(self)
             return
         if seed is None:
             seed = self.init_seed
