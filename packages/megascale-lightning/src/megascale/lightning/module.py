@@ -109,6 +109,16 @@ def _moe_layer_names(gpt: GPT) -> list[str]:
     return [name.split(".")[1] for name, m in gpt.named_modules() if isinstance(m, MoE)]
 
 
+def _with_fp8(model: GPT) -> GPT:
+    """``model`` with fp8 GEMMs in its blocks when its config asks (``GPTConfig.fp8``), so that the module
+    trains in fp8 under any strategy; MegaScaleStrategy's ``parallelize`` converts the split layers again."""
+    if model.config.fp8 is not None:
+        from megascale.core.fp8 import convert_to_float8  # torchao: only when a config asks for fp8
+
+        convert_to_float8(model)
+    return model
+
+
 def _config_of_pretrained(pretrained: str, given: GPTConfig | None) -> GPTConfig:
     """The GPTConfig of the Hugging Face checkpoint ``pretrained``, or ``given`` if it builds the same network."""
     with HFCheckpoint(pretrained) as checkpoint:
@@ -257,14 +267,14 @@ class GPTModule(LightningModule):
         if self.pretrained is not None:
             device = torch.get_default_device()  # the strategy's tensor_init_context: meta, or its device
             with torch.device("meta"):
-                model = GPT(self.config)
+                model = _with_fp8(GPT(self.config))
             model.weights_source = HFWeights(self.pretrained)
             if device.type != "meta":
                 model.to_empty(device=device)
                 model.init_weights()
             self.model = model
             return
-        model = GPT(self.config)
+        model = _with_fp8(GPT(self.config))
         if self.init_seed is not None:
             if any(p.is_meta for p in model.parameters()):
                 model.init_seed = self.init_seed  # what a later init_weights() (no argument) uses

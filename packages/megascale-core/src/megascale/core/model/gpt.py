@@ -125,10 +125,6 @@ class GPT(nn.Module):
         self.init_seed = int(torch.randint(0, 2**62, (), dtype=torch.int64, device="cpu").item())
         if self.rope.cos.device.type != "meta":
             self.init_weights()
-        if config.fp8 is not None:  # fp8 GEMMs in the blocks also without parallelize (which converts split
-            from megascale.core.fp8 import convert_to_float8  # layers again, after the tensor-parallel split)
-
-            convert_to_float8(self)
 
     def _tie_weights(self) -> None:
         if self.config.tie_embeddings and self.embed is not None and self.head is not None:
