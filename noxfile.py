@@ -310,11 +310,12 @@ def conformance(session: nox.Session) -> None:
 @nox.session
 @_discarded_under_ci
 def lint(session: nox.Session) -> None:
-    """ruff over packages, tests, benchmarks and examples."""
+    """ruff over packages, tests, benchmarks and examples; no import circles, and layers import downward only."""
     session.install("-c", CONSTRAINTS, *LINT_DEPS)
     paths = ["packages", "tests", "benchmarks", "examples", "noxfile.py"]
     session.run("ruff", "check", *paths)
     session.run("ruff", "format", "--check", *paths)
+    session.run("python", "tools/import_cycles.py", "--layers")
 
 
 @nox.session
