@@ -97,8 +97,8 @@ def _rank(rank: int, world: int, args: argparse.Namespace, method: str, store: s
     mesh = plan.dims(world).build_mesh("cpu")
     # what both methods import on first use (pipelining, DTensor, FSDP: ~120 MiB) is imported before measuring
     import megascale.core.hf.load
-    import megascale.core.parallel.pipeline
-    import megascale.core.parallel.tensor_parallel  # noqa: F401
+    import megascale.core.parallel.pp.apply
+    import megascale.core.parallel.tp.apply  # noqa: F401
 
     read = [0]
     real = safetensors.safe_open

@@ -198,7 +198,7 @@ def _measure(name: str, args: argparse.Namespace, rank: int, P: int) -> dict[str
     from megascale.core import GPT
     from megascale.core.memory_meter import LiveTensorMeter, SavedTensorMeter
     from megascale.core.parallel import ParallelPlan, parallelize
-    from megascale.core.parallel.pipeline_schedules import ScheduleTimeline
+    from megascale.core.parallel.pp.schedules import ScheduleTimeline
 
     M = args.microbatches_per_stage * P
     plan = ParallelPlan(pp=P, num_microbatches=M, schedule=name, zero_stage=0,  # type: ignore[arg-type]

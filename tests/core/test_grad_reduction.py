@@ -72,7 +72,7 @@ def _fsdp_units(model: nn.Module) -> int:
 
 
 def _worker(rank: int, world: int, layout: dict[str, Any], accumulation: int) -> dict[str, Any]:
-    from megascale.core.parallel import pipeline as pipeline_module
+    from megascale.core.parallel.pp import apply as pipeline_module
 
     meter = CollectiveMeter()
     original = pipeline_module._LeanStage.perform_reduce_grad

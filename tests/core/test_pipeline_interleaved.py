@@ -1,4 +1,4 @@
-"""Tests of ScheduleDecoupledInterleaved1F1B (``pipeline_interleaved.py``): torch's interleaved 1F1B plan with
+"""Tests of ScheduleDecoupledInterleaved1F1B (``parallel/pp/interleaved.py``): torch's interleaved 1F1B plan with
 every receive prefetched, each P2P stream on its own tag (gloo) or group, sends waited off the critical path.
 
 Plan (no processes): only receives move, each to no later than torch's place and at least one computation of
@@ -45,9 +45,9 @@ from megascale.core.parallel import (
     ScheduleTimeline,
     TimelineEvent,
     parallelize,
-    pipeline_interleaved,
 )
-from megascale.core.parallel.pipeline_interleaved import (
+from megascale.core.parallel.pp import interleaved as pipeline_interleaved
+from megascale.core.parallel.pp.interleaved import (
     ScheduleDecoupledInterleaved1F1B,
     prefetch_receives,
     stream_p2p_groups,
@@ -433,7 +433,7 @@ def test_bubble_is_not_worse_than_torchs(timelines: list[dict[str, Any]]) -> Non
 
 
 def _pipeline_worker(rank: int, world: int, layout: dict[str, Any]) -> dict[str, Any]:
-    from megascale.core.parallel import pipeline as pipeline_module
+    from megascale.core.parallel.pp import apply as pipeline_module
 
     out: dict[str, Any] = {}
     for name, schedule_class in (("decoupled", ScheduleDecoupledInterleaved1F1B),

@@ -34,7 +34,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from megascale.core.parallel import ScheduleDecoupled1F1B, ScheduleTimeline, TimelineEvent
-from megascale.core.parallel.pipeline_schedules import _one_f_one_b_order
+from megascale.core.parallel.pp.schedules import _one_f_one_b_order
 from tests._dist import run_distributed
 
 ATOL = RTOL = 1e-5
@@ -317,7 +317,7 @@ def _pooled_receives_worker(rank: int, world: int, cases: list[dict[str, Any]]) 
     torch's one per microbatch: the losses, the parameters and the receive buffers each stage held."""
     from megascale.core import GPT, GPTConfig
     from megascale.core.parallel import ParallelPlan, parallelize
-    from megascale.core.parallel import pipeline as pipeline_module
+    from megascale.core.parallel.pp import apply as pipeline_module
 
     out = []
     for case in cases:

@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from megascale.core import GPT, GPTConfig, apply_tensor_parallel
 from megascale.core.parallel import column_parallel_matmul, row_parallel_matmul, vocab_parallel_cross_entropy
-from megascale.core.parallel.tensor_parallel import tp_layers
+from megascale.core.parallel.tp.apply import tp_layers
 from tests._dist import run_distributed
 
 LOSS_ATOL = 5e-6

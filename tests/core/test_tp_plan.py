@@ -25,7 +25,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megascale.core.parallel.tp_plan import TP_STYLES, apply_tensor_parallel_plan, check_tensor_parallel_plan
+from megascale.core.parallel.tp.user_model import (
+    TP_STYLES,
+    apply_tensor_parallel_plan,
+    check_tensor_parallel_plan,
+)
 from tests._dist import run_distributed
 from tests._models import Head
 

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megascale.core.parallel.tp_plan import apply_tensor_parallel_plan, check_tensor_parallel_plan
+from megascale.core.parallel.tp.user_model import apply_tensor_parallel_plan, check_tensor_parallel_plan
 from tests._dist import run_distributed
 
 TOL = 1e-5

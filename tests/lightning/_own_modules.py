@@ -94,7 +94,7 @@ class Block(nn.Module):
 
 
 class OwnTransformer(LayeredLM):
-    # module-name patterns -> megascale tensor-parallel styles (megascale.core.parallel.tp_plan)
+    # module-name patterns -> megascale tensor-parallel styles (megascale.core.parallel.tp.user_model)
     tensor_parallel_plan: ClassVar[dict[str, str] | None] = {
         "embed": "rowwise",  # vocabulary rows split; output reduce-scattered to sequence shards under SP
         "blocks.*.attn_norm": "sequence_parallel",

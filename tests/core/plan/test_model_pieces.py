@@ -135,7 +135,7 @@ def test_interleaved_receive_buffers_match_the_runtimes_plan(P: int, V: int, M: 
     but the last rank's gradient streams, where torch's lockstep placement posts receives earlier."""
     from collections import Counter
 
-    from megascale.core.parallel.pipeline_interleaved import prefetch_receives
+    from megascale.core.parallel.pp.interleaved import prefetch_receives
     from tests.core.test_pipeline_interleaved import T, _torch_plan
 
     for rank, actions in _torch_plan(P, V, M).items():

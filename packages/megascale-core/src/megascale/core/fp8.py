@@ -51,8 +51,8 @@ from torch import nn
 from megascale.core._dtensor import local
 from megascale.core.config import FLOAT8_RECIPES
 from megascale.core.model.linear import FanInLinear, FanOutLinear
-from megascale.core.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from megascale.core.parallel.tp_comm import (
+from megascale.core.parallel.tp.apply import ColumnParallelLinear, RowParallelLinear
+from megascale.core.parallel.tp.comm import (
     copy_to_tp_region,
     gather_from_sp_region,
     reduce_from_tp_region,

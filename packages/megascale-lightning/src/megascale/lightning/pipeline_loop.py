@@ -1,7 +1,7 @@
 """How a pipeline step runs inside Lightning's automatic optimisation.
 
 With pp > 1 one ``training_step`` is one whole pipeline step: the model's call runs the schedule over every
-microbatch, backward included (``megascale.core.parallel.pipeline``). Lightning's automatic optimisation
+microbatch, backward included (``megascale.core.parallel.pp.apply``). Lightning's automatic optimisation
 zero-grads *between* training_step and backward, which would wipe those gradients, and would not have
 cleared the previous batch's before the schedule accumulated onto them. So: zero before the schedule where
 Lightning zero-grads (the first batch of each accumulation window, whether or not the last window ended in an

@@ -95,7 +95,7 @@ class Dispatcher(Protocol):
 class SequenceSplit(Protocol):
     """A layout that gives each rank a part of every sequence (tensor parallelism's sequence shards, context
     parallelism's chunks): how the layer gathers whole sequences for its router and keeps its own part of the
-    output (``megascale.core.parallel.tp_comm.SequenceSplitOverMesh``)."""
+    output (``megascale.core.parallel.tp.comm.SequenceSplitOverMesh``)."""
 
     def gather(self, x: torch.Tensor) -> torch.Tensor: ...
 

@@ -65,8 +65,8 @@ from megascale.core.parallel.wait_timer import WaitTimed, WaitTimer
 from megascale.core.parallel.zero import UnitTree, ZeroRuntime, apply_zero, apply_zero_to_params
 
 if TYPE_CHECKING:
-    from megascale.core.parallel.pipeline import Pipeline, StageModule  # torch pipelining: imported when used
-    from megascale.core.parallel.tp_region_check import RegionCheck
+    from megascale.core.parallel.pp.apply import Pipeline, StageModule  # torch pipelining: imported when used
+    from megascale.core.parallel.tp.region_check import RegionCheck
 
 __all__ = ["CheckpointLayout", "ParallelRuntime", "parallelize"]
 
@@ -233,7 +233,7 @@ def parallelize(
     stages: list[StageModule] = []
     pipelined: nn.Module | None = None
     if dims.pp > 1:  # 2.
-        from megascale.core.parallel.pipeline import apply_pipeline
+        from megascale.core.parallel.pp.apply import apply_pipeline
 
         pipelined, name = _the_pipelined_model(module, user_fsdp)
         stages = apply_pipeline(pipelined, mesh["pp"], plan, name=name)
@@ -241,7 +241,7 @@ def parallelize(
         notes += _materialize(module, gpts, device)
     module.to(device)
     if dims.tp > 1:  # on the materialised parameters, before ZeRO's hooks (see make_replicated_grads_whole)
-        from megascale.core.parallel.tp_plan import make_replicated_grads_whole
+        from megascale.core.parallel.tp.user_model import make_replicated_grads_whole
 
         make_replicated_grads_whole(module)
     rng = _model_parallel_rng(module, gpts, plan, mesh, device)
@@ -286,12 +286,12 @@ def parallelize(
             zero = _expert_replicas(zero, experts, edp_mesh, plan, trees, module)
     tp_layers: list[WaitTimed] = []
     if dims.tp > 1:  # found after the pipeline split: only this rank's stages
-        from megascale.core.parallel.tensor_parallel import tp_layers as find_tp_layers
+        from megascale.core.parallel.tp.apply import tp_layers as find_tp_layers
 
         tp_layers = find_tp_layers(module)
     pipeline = None
     if stages:  # 6.
-        from megascale.core.parallel.pipeline import build_pipeline
+        from megascale.core.parallel.pp.apply import build_pipeline
 
         assert pipelined is not None
         pipeline = build_pipeline(pipelined, stages, mesh["pp"], plan, device=device)
@@ -406,8 +406,8 @@ def _check_foreign_sharding(module: nn.Module, mesh: DeviceMesh, dims: ParallelD
 def _apply_tensor_parallel(
     module: nn.Module, gpts: list[GPT], plan: ParallelPlan, tp_mesh: DeviceMesh
 ) -> tuple[list[str], RegionCheck | None]:
-    from megascale.core.parallel.tensor_parallel import apply_tensor_parallel
-    from megascale.core.parallel.tp_plan import tied_parameter_sites
+    from megascale.core.parallel.tp.apply import apply_tensor_parallel
+    from megascale.core.parallel.tp.user_model import tied_parameter_sites
 
     chunks = plan.tp_comm_chunks if plan.overlap_tp_comm else 1
     already = {id(p) for p in module.parameters() if is_dtensor(p)}
@@ -417,13 +417,13 @@ def _apply_tensor_parallel(
         apply_tensor_parallel(gpt, tp_mesh, sequence_parallel=plan.sequence_parallel, overlap=plan.overlap_tp_comm,
                               overlap_chunks=plan.tp_comm_chunks)  # fmt: skip
     if any(getattr(m, "tensor_parallel_plan", None) is not None for m in module.modules()):
-        from megascale.core.parallel.tp_plan import (
+        from megascale.core.parallel.tp.region_check import install_region_check
+        from megascale.core.parallel.tp.user_model import (
             apply_tensor_parallel_plan,
             check_tensor_parallel_plan,
             check_tied_parameters,
             find_tensor_parallel_plans,
         )
-        from megascale.core.parallel.tp_region_check import install_region_check
 
         plans = find_tensor_parallel_plans(module)
         styles: dict[str, object] = {}  # every plan's styles by name under module: ties across plans
@@ -587,7 +587,7 @@ def _replica_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
 
 
 def _the_pipelined_model(module: nn.Module, user_fsdp: bool) -> tuple[nn.Module, str]:
-    from megascale.core.parallel.pipeline import pipelined_modules
+    from megascale.core.parallel.pp.apply import pipelined_modules
 
     found = pipelined_modules(module)
     names = {id(m): n for n, m in module.named_modules()}

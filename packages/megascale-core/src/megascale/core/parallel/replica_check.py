@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from megascale.core._dtensor import is_dtensor, local
-from megascale.core.parallel.tp_comm import all_gather_flat
+from megascale.core.parallel.tp.comm import all_gather_flat
 
 if TYPE_CHECKING:
     from torch.optim import Optimizer

@@ -55,7 +55,7 @@ def _split(model: nn.Module, tp: int, sequence_parallel: bool) -> dict[int, int]
     split: dict[int, int] = {}
     if tp <= 1:
         return split
-    from megascale.core.parallel.tp_plan import check_tensor_parallel_plan, find_tensor_parallel_plans
+    from megascale.core.parallel.tp.user_model import check_tensor_parallel_plan, find_tensor_parallel_plans
 
     plans = find_tensor_parallel_plans(model)
     if not plans:

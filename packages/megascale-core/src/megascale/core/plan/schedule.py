@@ -102,7 +102,7 @@ def receive_buffers(
 ) -> tuple[tuple[int, int], ...]:
     """Per local chunk of rank ``rank``: the most (activation, gradient) receive buffers it holds at once.
 
-    megascale's stages pool their receive buffers (``parallel/pipeline.py``, ``_LeanStage``): a microbatch
+    megascale's stages pool their receive buffers (``parallel/pp/apply.py``, ``_LeanStage``): a microbatch
     takes one when its receive is posted and gives it back after its backward on that chunk. The decoupled
     schedules (1f1b, interleaved) post the receive of microbatch i + 1 of a chunk before computing i (the
     first two at the step's start); torch's GPipe posts each right before its computation. Replaying the

@@ -1,7 +1,7 @@
 """How many parameters each layer of a megascale GPT holds on one tensor-parallel rank, and which layers each
 pipeline rank holds: the shapes every other part of the planner counts with.
 
-The counts follow ``megascale.core.model`` and ``megascale.core.parallel.tensor_parallel``: projections (and
+The counts follow ``megascale.core.model`` and ``megascale.core.parallel.tp.apply``: projections (and
 their biases) are split over tp, norms and the row-parallel output bias are replicated, the embedding and the
 output projection split the padded vocabulary. Pipeline stages follow ``split_blocks`` (rank r holds stages
 r, r + pp, ...; the first stage also holds the embedding, the last the head).
@@ -136,7 +136,7 @@ def stages_of_rank(
     pp_rank: int,
     pipeline_split: tuple[int, ...] | None = None,
 ) -> list[Stage]:
-    """The stages pipeline rank ``pp_rank`` holds, in order (looped placement, as ``parallel.pipeline``)."""
+    """The stages pipeline rank ``pp_rank`` holds, in order (looped placement, as ``parallel.pp``)."""
     n = pp * virtual_stages
     blocks = _split(config.n_layers, n, pipeline_split)
     out = []

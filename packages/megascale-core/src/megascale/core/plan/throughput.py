@@ -19,7 +19,7 @@ each kind of kernel at its own rate from the GPU kind's kernel-rate table (``rat
   parallelism (two pairs in a sequential block, one in a parallel block), all-gather + reduce-scatter with it
   (plus the backward's re-gather of the saved input shard); ``overlap_tp_comm`` hides all but one chunk
   (on a cluster whose GPUs overlap communication at all: not CPU ranks, whose gloo threads share their cores).
-  Every collective call also pays the cluster's latency (``comm.py``), counted as ``parallel.overlap`` and
+  Every collective call also pays the cluster's latency (``comm.py``), counted as ``parallel.tp.overlap`` and
   ``tp_comm`` issue them: per column/row pair, with c chunks, SP runs c all-gathers + c reduce-scatters
   forward and 1 + 2c backward, no SP c all-reduces forward and one backward; the replicated norm weights (and
   row-parallel biases) under SP and q/k norms always all-reduce their gradients; the embedding one or two
@@ -202,8 +202,8 @@ def _tp_pairs(config: GPTConfig) -> int:
 
 
 def tp_collective_calls(config: GPTConfig, plan: ParallelPlan) -> dict[str, TPCalls]:
-    """The calls of one block, the embedding and the head on a tp rank, as ``parallel.overlap``,
-    ``parallel.tensor_parallel`` and ``parallel.cross_entropy`` issue them (no recomputation; module docstring).
+    """The calls of one block, the embedding and the head on a tp rank, as ``parallel.tp.overlap``,
+    ``parallel.tp.apply`` and ``parallel.tp.cross_entropy`` issue them (no recomputation; module docstring).
     Empty without tensor parallelism."""
     if plan.tp <= 1:
         return {}

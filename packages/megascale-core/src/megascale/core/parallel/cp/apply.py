@@ -25,7 +25,7 @@ from megascale.core.model.moe import MoE
 from megascale.core.parallel.cp.attention import ContextParallel
 from megascale.core.parallel.cp.loss import ContextParallelLoss
 from megascale.core.parallel.cp.sharding import shard_sequence
-from megascale.core.parallel.tp_comm import SequenceSplitOverMesh
+from megascale.core.parallel.tp.comm import SequenceSplitOverMesh
 
 __all__ = ["apply_context_parallel", "check_context_parallel"]
 

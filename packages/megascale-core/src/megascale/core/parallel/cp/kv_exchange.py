@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from megascale.core.parallel.cp.sharding import chunk_owner
-from megascale.core.parallel.tp_comm import all_gather_seq, reduce_scatter_seq
+from megascale.core.parallel.tp.comm import all_gather_seq, reduce_scatter_seq
 from megascale.core.parallel.wait_timer import WaitTimer, untimed
 
 __all__ = ["HaloPlan", "choose", "exchange_halo", "gather_kv", "halo_plan"]

@@ -78,7 +78,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from megascale.core._dtensor import local
-from megascale.core.parallel.tp_comm import reduce_scatter_flat
+from megascale.core.parallel.tp.comm import reduce_scatter_flat
 from megascale.core.parallel.wait_timer import WaitTimer, untimed
 
 __all__ = ["BucketedGradReduce"]

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from megascale.core._dtensor import is_dtensor, local, mark_split, shard_spec
-from megascale.core.parallel.tp_comm import all_gather_flat
+from megascale.core.parallel.tp.comm import all_gather_flat
 from megascale.core.parallel.zero.grad_reduce import BucketedGradReduce
 from megascale.core.parallel.zero.optimizer_state import optimizer_params, register_unit_waits
 

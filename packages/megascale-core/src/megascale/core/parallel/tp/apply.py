@@ -46,14 +46,14 @@ from megascale.core.model.gpt import GPT, NextTokenLoss, TokenEmbedding
 from megascale.core.model.linear import FanInLinear, FanOutLinear
 from megascale.core.model.moe import MoE
 from megascale.core.model.norm import LayerNorm, RMSNorm
-from megascale.core.parallel.cross_entropy import vocab_parallel_cross_entropy
-from megascale.core.parallel.overlap import column_parallel_matmul, row_parallel_matmul
-from megascale.core.parallel.tp_comm import (
+from megascale.core.parallel.tp.comm import (
     SequenceSplitOverMesh,
     copy_to_tp_region,
     reduce_from_tp_region,
     reduce_scatter_to_sp_region,
 )
+from megascale.core.parallel.tp.cross_entropy import vocab_parallel_cross_entropy
+from megascale.core.parallel.tp.overlap import column_parallel_matmul, row_parallel_matmul
 from megascale.core.parallel.wait_timer import WaitTimed, WaitTimer, untimed
 
 __all__ = [

@@ -40,7 +40,7 @@ is not (a path around the region's entry) is refused by the layer that would gat
 
 What is refused rather than silently wrong (each naming the module and the fix):
 - a trainable plain parameter used on a part of the activations (a sequence shard, this rank's heads) that no
-  style sums over tp: found in the first forward (``tp_region_check.py``), before any optimizer step;
+  style sums over tp: found in the first forward (``region_check.py``), before any optimizer step;
 - plain ``colwise`` on a layer named like a fused projection (``FUSED_NAMES``: qkv, c_attn, query_key_value,
   in_proj, gate_up, w13, w_pack): rank r would hold a contiguous block of the fused output (all of q on rank
   0, v on rank 1), not its share of each part, and the model's ``chunk``/``split`` of the output would compute
@@ -67,15 +67,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
 from megascale.core._dtensor import is_dtensor, local
-from megascale.core.parallel.overlap import column_parallel_matmul, row_parallel_matmul
-from megascale.core.parallel.tensor_parallel import _Distributor
-from megascale.core.parallel.tp_comm import (
+from megascale.core.parallel.tp.apply import _Distributor
+from megascale.core.parallel.tp.comm import (
     all_gather_seq,
     copy_to_tp_region,
     reduce_from_tp_region,
     reduce_scatter_to_sp_region,
 )
-from megascale.core.parallel.tp_region_check import (
+from megascale.core.parallel.tp.overlap import column_parallel_matmul, row_parallel_matmul
+from megascale.core.parallel.tp.region_check import (
     MARKS,
     PART_FEATURES,
     PART_SEQUENCE,
@@ -396,7 +396,7 @@ class _TPLayer:
     _tp_chunks: int
     _tp_region: _SequenceRegion
     _tp_name: str
-    _megascale_tp_marks = False  # a first-forward check is watching: mark outputs (tp_region_check.py)
+    _megascale_tp_marks = False  # a first-forward check is watching: mark outputs (region_check.py)
 
     def _mark(self, y: Any, part: str | None) -> Any:
         return mark_part(y, part) if self._megascale_tp_marks else y
@@ -540,7 +540,7 @@ def apply_tensor_parallel_plan(
         overlap_chunks: pieces each TP collective is split into, overlapped with the GEMMs (1: none).
         name: the module's qualified name, for messages.
         check_regions: watch the first forward for trainable plain parameters used on a part of the
-            activations that no style sums over tp, and refuse them by name (``tp_region_check.py``).
+            activations that no style sums over tp, and refuse them by name (``region_check.py``).
             ``parallelize`` turns it off here and watches the whole LightningModule instead.
     """
     from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
@@ -555,7 +555,7 @@ def apply_tensor_parallel_plan(
             torch_styles[n] = style
             continue
         state = dict(mesh=tp_mesh, sp=sequence_parallel, chunks=overlap_chunks, region=region, name=n)
-        covered = True  # the style takes care of the module's own parameters (tp_region_check.py)
+        covered = True  # the style takes care of the module's own parameters (region_check.py)
         if style in _COLWISE:
             distribute(m, "weight", [Shard(0)])
             distribute(m, "bias", [Shard(0)])

@@ -79,7 +79,7 @@
 #
 # The interleaved (virtual-stage) schedule: torch's ScheduleInterleaved1F1B already posts sends and receives as
 # separate actions (its runtime plans SEND_F / RECV_F / SEND_B / RECV_B) and waits sends only at the end;
-# pipeline_interleaved.py (ScheduleDecoupledInterleaved1F1B) prefetches its receives, one P2P tag (gloo) or
+# interleaved.py (ScheduleDecoupledInterleaved1F1B) prefetches its receives, one P2P tag (gloo) or
 # group (other backends) per stream, and records its waits here too (it reuses _post, _SendQueue, _timed_wait).
 
 from __future__ import annotations
@@ -154,7 +154,7 @@ class ScheduleTimeline:
 
     Works with any torch pipeline schedule (computations are recorded by wrapping the stage methods the
     schedules call); the decoupled schedules (ScheduleDecoupled1F1B, and ScheduleDecoupledInterleaved1F1B in
-    pipeline_interleaved.py) also record their communication waits. Timestamps come from
+    interleaved.py) also record their communication waits. Timestamps come from
     ``clock`` (``time.perf_counter``: comparable across processes of one host on Linux, not across hosts).
     ``synchronize`` (e.g. ``torch.cuda.synchronize``), if given, is called before each timestamp of a
     computation, so that on an asynchronous device the interval covers execution rather than the kernel

@@ -37,7 +37,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
-from megascale.core.parallel.tp_comm import all_gather_flat, reduce_scatter_flat
+from megascale.core.parallel.tp.comm import all_gather_flat, reduce_scatter_flat
 from megascale.core.parallel.wait_timer import WaitTimer, untimed
 
 __all__ = ["column_parallel_matmul", "row_parallel_matmul"]

@@ -1,5 +1,5 @@
 # The interleaved (virtual-stage) 1F1B schedule with MegaScale's decoupled point-to-point communication
-# (Jiang et al. 2024, §3.2), as ScheduleDecoupled1F1B (pipeline_schedules.py) does it for plain 1F1B.
+# (Jiang et al. 2024, §3.2), as ScheduleDecoupled1F1B (schedules.py) does it for plain 1F1B.
 #
 # Scope: ScheduleDecoupledInterleaved1F1B is a drop-in replacement for torch.distributed.pipelining's
 # ScheduleInterleaved1F1B (same constructor, same step()/eval(), same per-microbatch losses and gradients bit
@@ -79,7 +79,7 @@
 # Instrumentation: with a ScheduleTimeline attached, the stages' computations are recorded (F, B), and so
 # are post_recv_F / post_recv_B (instants), wait_recv_F / wait_recv_B and wait_send_F / wait_send_B. The
 # Pipeline's wait_timer spans the waits and, a ``Timers``, each microbatch's forward and backward on each of
-# this rank's stages (as for ScheduleDecoupled1F1B, pipeline_schedules.py).
+# this rank's stages (as for ScheduleDecoupled1F1B, schedules.py).
 
 from __future__ import annotations
 
@@ -98,7 +98,7 @@ from torch.distributed.pipelining.schedules import (
 )
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
-from megascale.core.parallel.pipeline_schedules import (
+from megascale.core.parallel.pp.schedules import (
     ScheduleTimeline,
     _computing,
     _post,

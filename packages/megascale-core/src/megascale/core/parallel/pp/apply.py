@@ -40,12 +40,12 @@ from torch.distributed.pipelining._utils import _make_tensor_from_meta, to_local
 from torch.distributed.pipelining.stage import _RecvInfo
 
 from megascale.core.model.layers import PipelineLayers, pipeline_layers_of
-from megascale.core.parallel.pipeline_interleaved import (
+from megascale.core.parallel.plan import SCHEDULES, ParallelPlan, split_blocks
+from megascale.core.parallel.pp.interleaved import (
     ScheduleDecoupledInterleaved1F1B,
     stream_p2p_groups,
     stream_tag,
 )
-from megascale.core.parallel.plan import SCHEDULES, ParallelPlan, split_blocks
 from megascale.core.parallel.rng import ModelParallelRNG
 from megascale.core.parallel.wait_timer import WaitTimer, untimed
 from megascale.core.parallel.zero.fsdp import fsdp_param_groups
@@ -185,7 +185,7 @@ class Pipeline:
         self.last_rank = dist.get_global_rank(group, (num_stages - 1) % dist.get_world_size(group))
         self.device = device
         # P2P streams (direction, receiving stage) on their own groups where the backend orders P2P per
-        # communicator and ignores tags (NCCL); on gloo the tags keep them apart (pipeline_interleaved.py)
+        # communicator and ignores tags (NCCL); on gloo the tags keep them apart (interleaved.py)
         self._stream_groups = (
             stream_p2p_groups(group, num_stages)
             if len(stage_ids) > 1 and "gloo" not in str(dist.get_backend(group))
@@ -484,7 +484,7 @@ class _LeanStage(PipelineStage):
 
     def _stream(self, ops: list[dist.P2POp], direction: str, receiving_stage: int) -> list[dist.P2POp]:
         """The ops on their stream's tag (and, off gloo, group): schedules that post receives early
-        (``pipeline_interleaved.py``) must not let one stream's data match another's receive."""
+        (``interleaved.py``) must not let one stream's data match another's receive."""
         tag = stream_tag(direction, receiving_stage)
         group = self.pipeline.stream_group(direction, receiving_stage)
         return [
@@ -574,7 +574,7 @@ def _pipelined_class(cls: type) -> type:
 
 
 def _one_f_one_b() -> type:
-    from megascale.core.parallel.pipeline_schedules import ScheduleDecoupled1F1B
+    from megascale.core.parallel.pp.schedules import ScheduleDecoupled1F1B
 
     return ScheduleDecoupled1F1B
 
