@@ -116,6 +116,7 @@ def test_cpu_automatic_choice_is_the_reference_with_the_interpreter(monkeypatch:
     chosen = registry.describe("cpu")
     assert chosen.pop("attention") == "sdpa"
     assert chosen.pop("attention (window)") == "sdpa"  # FlexAttention is no automatic choice on the CPU
+    assert chosen.pop("attention (documents)") == "sdpa"  # packed documents: SDPA's masked kernel
     assert set(chosen.values()) == {"torch"}, chosen
 
 

@@ -4,7 +4,7 @@ Every kernel is called like a function; ``backend=`` forces one implementation. 
 choice is made and logged, and ``python -m megascale.core.kernels`` for what runs on this machine.
 """
 
-from megascale.core.kernels.attention import attention
+from megascale.core.kernels.attention import attention, document_ids
 from megascale.core.kernels.bias_gelu import bias_gelu
 from megascale.core.kernels.cross_entropy import cross_entropy
 from megascale.core.kernels.grouped_mm import grouped_mm
@@ -29,6 +29,7 @@ __all__ = [
     "bias_gelu",
     "cross_entropy",
     "describe",
+    "document_ids",
     "get_kernel",
     "grouped_mm",
     "kernels",

@@ -8,6 +8,11 @@ scaled_dot_product_attention; a cached boolean (T, T) mask carries the window), 
 softmax: the reference). Window semantics, the same in every backend: query i sees keys j with
 i - window < j <= i, i.e. ``window`` keys including itself.
 
+Packed documents (``documents``: (B, T) ids, equal for the tokens of one document of a row): a query sees only
+the keys of its own document, as well as the causal and window rules. That case ("documents") runs on SDPA with a
+(B, 1, T, T) boolean mask, or the torch reference; FlexAttention with a document block mask when forced
+(``backend="flex"``); the flash backends do not take it and pass it on to SDPA.
+
 The automatic choice is made per case of a call (see ``registry``): full causal attention (no window, or one at
 least as long as the sequence) keeps flash-attn 2 or SDPA's fused causal kernel; a call with a window shorter
 than the sequence (the "window" case) prefers flash-attn 2, then flash-attn 4, then FlexAttention, and only then
@@ -31,7 +36,7 @@ import torch.nn.functional as F
 from megascale.core import _optional
 from megascale.core.kernels.registry import Probe, ProbeInputs, get_kernel
 
-__all__ = ["WINDOW", "attention", "attention_mask"]
+__all__ = ["DOCUMENTS", "WINDOW", "attention", "attention_mask", "document_ids", "document_mask"]
 
 log = logging.getLogger("megascale.core.kernels")
 attention = get_kernel("attention")
@@ -40,20 +45,61 @@ WINDOW = "window"
 """The case of a call whose sliding window is shorter than the sequence (see ``registry``)."""
 
 
-def _case(q: torch.Tensor, *_args: Any, window: int | None = None, **_kwargs: Any) -> str | None:
+DOCUMENTS = "documents"
+"""The case of a call over packed documents, each token attending only to its own document's."""
+
+
+def _case(
+    q: torch.Tensor,
+    *_args: Any,
+    window: int | None = None,
+    documents: torch.Tensor | None = None,
+    **_kwargs: Any,
+) -> str | None:
+    if documents is not None:
+        return DOCUMENTS
     return WINDOW if window is not None and window < q.shape[1] else None
 
 
 attention.case_of = _case
-attention.cases = (WINDOW,)
+attention.cases = (WINDOW, DOCUMENTS)
 
 
 def _windowed_only(case: str | None) -> str | None:
     if case == WINDOW:
         return None
+    if case == DOCUMENTS:
+        return _NO_DOCUMENTS
     return (
         "full causal attention keeps flash-attn 2 or SDPA's fused causal kernel (this backend serves windows)"
     )
+
+
+_NO_DOCUMENTS = (
+    "packed documents run on SDPA's masked kernel or the torch reference (this backend takes no mask)"
+)
+
+
+def _no_documents(case: str | None) -> str | None:
+    return _NO_DOCUMENTS if case == DOCUMENTS else None
+
+
+def _flex_cases(case: str | None) -> str | None:
+    if case == DOCUMENTS:  # its document block mask is proved against the reference on the CPU only so far
+        return "FlexAttention's document mask is not yet chosen automatically (backend='flex' runs it)"
+    return _windowed_only(case)
+
+
+def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """(B, T) document ids of packed rows whose positions restart at 0 at each document's first token."""
+    return (position_ids == 0).cumsum(dim=-1)
+
+
+def document_mask(documents: torch.Tensor, window: int | None) -> torch.Tensor:
+    """(B, 1, T, T) boolean mask, True where a query (row) may attend a key (column): same document, causal and
+    within the window."""
+    same = documents.unsqueeze(-1) == documents.unsqueeze(-2)  # (B, T, T)
+    return (same & attention_mask(documents.shape[-1], window, documents.device)).unsqueeze(1)
 
 
 @lru_cache(maxsize=32)
@@ -67,7 +113,15 @@ def attention_mask(t: int, window: int | None, device: torch.device) -> torch.Te
     return mask
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None) -> None:
+def _check(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    window: int | None,
+    documents: torch.Tensor | None = None,
+) -> None:
+    if documents is not None and documents.shape != q.shape[:2]:
+        raise ValueError(f"documents must be (B, T) = {tuple(q.shape[:2])}; got {tuple(documents.shape)}")
     if q.dim() != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
         raise ValueError(
             f"attention expects q (B, T, H, hd) and k, v (B, T, KV, hd); got {q.shape}, {k.shape}"
@@ -139,9 +193,12 @@ def _next_best(q, k, v, *, window: int | None, scale: float | None, dropout_p: f
     return _sdpa(q, k, v, window=window, scale=scale, dropout_p=dropout_p)
 
 
-@attention.register("flash", _flash_unavailable)
-def _flash(q, k, v, *, window: int | None = None, scale: float | None = None, dropout_p: float = 0.0):
-    _check(q, k, v, window)
+@attention.register("flash", _flash_unavailable, skips=_no_documents)
+def _flash(q, k, v, *, window: int | None = None, scale: float | None = None, dropout_p: float = 0.0,
+           documents: torch.Tensor | None = None):  # fmt: skip
+    _check(q, k, v, window, documents)
+    if documents is not None:
+        return _sdpa(q, k, v, window=window, scale=scale, dropout_p=dropout_p, documents=documents)
     if q.dtype not in (torch.float16, torch.bfloat16):
         # flash-attn has no fp32 kernel; fp32 runs are for debugging, so take the next-best path.
         return _next_best(q, k, v, window=window, scale=scale, dropout_p=dropout_p)
@@ -162,8 +219,11 @@ _FLASH4_HEAD_DIMS = (64, 96, 128)  # what flash_attn.cute's forward and backward
 
 
 @attention.register("flash4", _flash4_unavailable, skips=_windowed_only)
-def _flash4(q, k, v, *, window: int | None = None, scale: float | None = None, dropout_p: float = 0.0):
-    _check(q, k, v, window)
+def _flash4(q, k, v, *, window: int | None = None, scale: float | None = None, dropout_p: float = 0.0,
+            documents: torch.Tensor | None = None):  # fmt: skip
+    _check(q, k, v, window, documents)
+    if documents is not None:
+        return _sdpa(q, k, v, window=window, scale=scale, dropout_p=dropout_p, documents=documents)
     if _unfit(q, dropout_p) or q.shape[3] not in _FLASH4_HEAD_DIMS:
         return _next_best(q, k, v, window=window, scale=scale, dropout_p=dropout_p)
     fa = _optional.flash_attn_cute()
@@ -204,6 +264,19 @@ def flex_block_mask(t: int, window: int | None, device: torch.device) -> Any:
     return mask
 
 
+def flex_document_mask(documents: torch.Tensor, window: int | None) -> Any:
+    """FlexAttention's block mask for packed documents (same document, causal, window): blocks wholly outside
+    a document are skipped. Built per call from the (B, T) document ids."""
+    fa = _flex_module()
+    B, T = documents.shape
+
+    def same_document(b, h, q_idx, kv_idx):
+        allowed = (kv_idx <= q_idx) & (documents[b, q_idx] == documents[b, kv_idx])
+        return allowed if window is None else allowed & (q_idx - kv_idx < window)
+
+    return fa.create_block_mask(same_document, B=B, H=None, Q_LEN=T, KV_LEN=T, device=documents.device)
+
+
 def _flex_fn(device: torch.device) -> Callable[..., Any]:
     """flex_attention compiled once per process on CUDA (eager it runs an unfused reference over the whole
     score matrix); eager elsewhere, and inside a region torch.compile is already tracing."""
@@ -236,14 +309,19 @@ def _cpu_backward(device: torch.device) -> Iterator[None]:
 
 
 @attention.register(
-    "flex", _flex_unavailable, unavailable_if_forced=_flex_unavailable_if_forced, skips=_windowed_only
+    "flex", _flex_unavailable, unavailable_if_forced=_flex_unavailable_if_forced, skips=_flex_cases
 )
-def _flex(q, k, v, *, window: int | None = None, scale: float | None = None, dropout_p: float = 0.0):
-    _check(q, k, v, window)
+def _flex(q, k, v, *, window: int | None = None, scale: float | None = None, dropout_p: float = 0.0,
+          documents: torch.Tensor | None = None):  # fmt: skip
+    _check(q, k, v, window, documents)
     if dropout_p > 0:  # FlexAttention has no dropout
-        return _sdpa(q, k, v, window=window, scale=scale, dropout_p=dropout_p)
+        return _sdpa(q, k, v, window=window, scale=scale, dropout_p=dropout_p, documents=documents)
     T = q.shape[1]
-    block_mask = flex_block_mask(T, None if window is None or window >= T else window, q.device)
+    window = None if window is None or window >= T else window
+    if documents is None:
+        block_mask = flex_block_mask(T, window, q.device)
+    else:
+        block_mask = flex_document_mask(documents, window)
     qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, hd)
     with _cpu_backward(q.device), warnings.catch_warnings():
         # eager on the CPU by design (tests); the warning that it is unfused says nothing new there
@@ -271,12 +349,16 @@ def _sdpa_kernel_name(ops: list[str]) -> str:
 
 
 def _sdpa_observed(
-    q: torch.Tensor, k: torch.Tensor, window: int | None, run: Callable[[], torch.Tensor]
+    q: torch.Tensor,
+    k: torch.Tensor,
+    window: int | None,
+    run: Callable[[], torch.Tensor],
+    documents: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Run SDPA; at the first call of each (device type, case, dtype, GQA) record which kernel torch dispatched
     to, by watching the aten ops of that one call. Nothing is watched under torch.compile, or for tensor
     subclasses (DTensor, fake tensors), whose dispatch is not SDPA's own."""
-    case = _case(q, window=window)
+    case = _case(q, window=window, documents=documents)
     if type(q) is not torch.Tensor or torch.compiler.is_compiling() or q.is_meta:
         return run()
     key = ("sdpa kernel", q.device.type, case, q.dtype, q.shape[2] != k.shape[2])
@@ -300,12 +382,21 @@ def _sdpa_observed(
 
 
 @attention.register("sdpa")
-def _sdpa(q, k, v, *, window: int | None = None, scale: float | None = None, dropout_p: float = 0.0):
-    _check(q, k, v, window)
+def _sdpa(q, k, v, *, window: int | None = None, scale: float | None = None, dropout_p: float = 0.0,
+          documents: torch.Tensor | None = None):  # fmt: skip
+    _check(q, k, v, window, documents)
     T = q.shape[1]
     qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, hd)
     gqa = q.shape[2] != k.shape[2]
-    if window is None or window >= T:
+    if documents is not None:
+        mask = document_mask(documents, window)
+
+        def run() -> torch.Tensor:
+            return F.scaled_dot_product_attention(
+                qh, kh, vh, attn_mask=mask, dropout_p=dropout_p, scale=scale, enable_gqa=gqa
+            )
+
+    elif window is None or window >= T:
 
         def run() -> torch.Tensor:
             return F.scaled_dot_product_attention(
@@ -320,19 +411,21 @@ def _sdpa(q, k, v, *, window: int | None = None, scale: float | None = None, dro
                 qh, kh, vh, attn_mask=mask, dropout_p=dropout_p, scale=scale, enable_gqa=gqa
             )
 
-    return _sdpa_observed(q, k, window, run).transpose(1, 2)  # (B, T, H, hd)
+    return _sdpa_observed(q, k, window, run, documents).transpose(1, 2)  # (B, T, H, hd)
 
 
 @attention.register("torch")
-def _reference(q, k, v, *, window: int | None = None, scale: float | None = None, dropout_p: float = 0.0):
-    _check(q, k, v, window)
+def _reference(q, k, v, *, window: int | None = None, scale: float | None = None, dropout_p: float = 0.0,
+               documents: torch.Tensor | None = None):  # fmt: skip
+    _check(q, k, v, window, documents)
     _, T, H, hd = q.shape
     rep = H // k.shape[2]
     k = k.repeat_interleave(rep, dim=2)
     v = v.repeat_interleave(rep, dim=2)
     scale = 1.0 / math.sqrt(hd) if scale is None else scale
     scores = torch.einsum("bthd,bshd->bhts", q.float(), k.float()) * scale
-    scores = scores.masked_fill(~attention_mask(T, window, q.device), float("-inf"))
+    mask = attention_mask(T, window, q.device) if documents is None else document_mask(documents, window)
+    scores = scores.masked_fill(~mask, float("-inf"))
     probs = F.dropout(scores.softmax(dim=-1), p=dropout_p, training=dropout_p > 0)
     return torch.einsum("bhts,bshd->bthd", probs, v.float()).to(q.dtype)
 

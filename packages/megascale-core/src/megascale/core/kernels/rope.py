@@ -1,6 +1,7 @@
 """Rotary position embedding, half-split (GPT-NeoX) convention.
 
-x: (B, T, H, hd); cos, sin: (T, hd/2) in fp32. Pairs are (x[..., i], x[..., i + hd/2]), each rotated by the
+x: (B, T, H, hd); cos, sin: (T, hd/2) in fp32, or (B, T, hd/2): each row's own positions (packed documents,
+whose positions restart at each document; the torch reference serves those). Pairs are (x[..., i], x[..., i + hd/2]), each rotated by the
 angle of position t and frequency i. Computed in fp32, returned in x's dtype.
 
 The tables are computed in fp32 with the operations, in the order, of Meta's Llama reference and Hugging Face
@@ -67,6 +68,8 @@ def rope_tables(
 
 @apply_rope.register("triton", _triton.unavailable, unavailable_if_forced=_triton.unavailable_if_forced)
 def _triton_backend(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    if cos.dim() == 3:  # per-row tables (packed documents): the fused kernel reads one table for every row
+        return _reference(x, cos, sin)
     from megascale.core.kernels.triton.rope import apply_rope as fused
 
     return fused(x, cos, sin)
@@ -77,8 +80,11 @@ def _reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     xf = x.float()
     x1, x2 = xf[..., :half], xf[..., half:]
-    c = cos[: x.shape[1]].unsqueeze(1)  # (T, 1, hd/2): broadcast over heads
-    s = sin[: x.shape[1]].unsqueeze(1)
+    if cos.dim() == 3:  # (B, T, hd/2): each row's positions
+        c, s = cos.unsqueeze(2), sin.unsqueeze(2)  # (B, T, 1, hd/2)
+    else:
+        c = cos[: x.shape[1]].unsqueeze(1)  # (T, 1, hd/2): broadcast over heads
+        s = sin[: x.shape[1]].unsqueeze(1)
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
 
 

@@ -70,7 +70,11 @@ class SelfAttention(nn.Module):
         self.q_norm = make_norm(config, config.head_dim) if config.qk_norm else None
         self.k_norm = make_norm(config, config.head_dim) if config.qk_norm else None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``position_ids`` (B, T): packed documents, positions restarting at 0 at each document's first token;
+        rotary angles at those positions, and each token attends only to its own document."""
         B, T, _ = q.shape
         q = q.view(B, T, -1, self.head_dim)  # (B, T, H, hd)
         k = k.view(B, T, -1, self.head_dim)  # (B, T, KV, hd)
@@ -79,7 +83,15 @@ class SelfAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = self.rope.cos, self.rope.sin
         cp = self.context_parallel
-        if cp is not None:
+        documents = None
+        if position_ids is not None:
+            if cp is not None:  # the strategy refuses this layout at start-up; a guard for direct use
+                raise ValueError(
+                    "packed documents (position_ids) under context parallelism are not supported yet"
+                )
+            cos, sin = cos[position_ids], sin[position_ids]  # (B, T, hd/2)
+            documents = kernels.document_ids(position_ids)
+        elif cp is not None:
             cos, sin = cp.rope_tables(cos, sin, T)
         q = kernels.apply_rope(q, cos, sin, backend=self.rope_backend)
         k = kernels.apply_rope(k, cos, sin, backend=self.rope_backend)
@@ -91,6 +103,7 @@ class SelfAttention(nn.Module):
             v,
             window=self.window,
             dropout_p=self.dropout if self.training else 0.0,
+            documents=documents,
             backend=self.attention_backend,
         )
         return y.reshape(B, T, -1)  # (B, T, H·hd)
@@ -109,6 +122,6 @@ class Attention(nn.Module):
         self.core = SelfAttention(config, rope, window)
         self.out_proj = FanInLinear({"o": qkv["q"]}, config.d_model, bias=config.bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         q, k, v = self.in_proj(x)
-        return self.out_proj(self.core(q, k, v))
+        return self.out_proj(self.core(q, k, v, position_ids))

@@ -4,6 +4,8 @@ Parallel:   y = x + Attn(N(x)) + MLP(N(x))        one norm; Q, K, V, gate, up re
                                                    the attention and MLP outputs are summed by one projection
 Sequential: h = x + Attn(N1(x));  y = h + MLP(N2(h))
 
+Both take the batch's ``position_ids`` for packed documents (``SelfAttention``), None otherwise.
+
 With a mixture of experts (``GPTConfig.moe``) the MoE layer takes the MLP's place; in the parallel block it
 reads the shared norm beside attention and its output is added to the attention projection's.
 """
@@ -42,13 +44,15 @@ class ParallelBlock(nn.Module):
         self.moe = MoE(config) if config.moe is not None else None
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         h = self.norm(x)
         q, k, v, *mlp_in = self.in_proj(h)
         if self.moe is not None:
-            return x + self.dropout(self.out_proj(self.attn(q, k, v)) + self.moe(h))
+            return x + self.dropout(self.out_proj(self.attn(q, k, v, position_ids)) + self.moe(h))
         assert self.act is not None
-        return x + self.dropout(self.out_proj(self.attn(q, k, v), self.act(self.in_proj, *mlp_in)))
+        return x + self.dropout(
+            self.out_proj(self.attn(q, k, v, position_ids), self.act(self.in_proj, *mlp_in))
+        )
 
 
 class SequentialBlock(nn.Module):
@@ -60,8 +64,8 @@ class SequentialBlock(nn.Module):
         self.mlp = MLP(config) if config.moe is None else MoE(config)
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.dropout(self.attn(self.attn_norm(x)))
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.attn_norm(x), position_ids))
         return x + self.dropout(self.mlp(self.mlp_norm(x)))
 
 

@@ -155,8 +155,18 @@ class GPT(nn.Module):
         """The loss of the last pipeline stage's output: what ``forward(tokens, targets)`` returns."""
         return self.loss_fn(logits, targets)
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Logits (B, T, vocab) of ``tokens`` (B, T), or the mean loss against ``targets``.
+
+        ``position_ids`` (B, T), for rows packing several documents: each token's position in its document,
+        restarting at 0 at each document's first token (transformers' and torchtitan's convention). Rotary
+        angles are taken at those positions and attention is kept inside each document (and causal, and
+        within a sliding window), so each document gets the logits it gets alone. None: one sequence per row.
 
         With a mixture of experts, the loss includes the routers' balancing losses of this forward (when
         training; ``MoEConfig.aux_loss_coef``, ``z_loss_coef``).
@@ -167,9 +177,14 @@ class GPT(nn.Module):
             raise ValueError(
                 f"sequence of {tokens.shape[1]} tokens is longer than max_seq_len={self.config.max_seq_len}"
             )
+        if position_ids is not None and position_ids.shape != tokens.shape[:2]:
+            raise ValueError(
+                f"position_ids must have the tokens' shape (B, T) = {tuple(tokens.shape[:2])}; got "
+                f"{tuple(position_ids.shape)}"
+            )
         x = tokens if self.embed is None else self.embed(tokens)
         for block in self.blocks.values():
-            x = block(x)
+            x = block(x) if position_ids is None else block(x, position_ids)
         if self.head is None:
             return x
         logits = self.head(x)
