@@ -62,7 +62,8 @@ class Attention(nn.Module):
         else:
             self.mask = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+        """``documents``: a (B, 1, T, T) boolean mask keeping attention inside each packed document."""
         if self.fused:  # q ‖ k ‖ v (as many heads each): a column split must cut each part, not the whole
             q, k, v = self.qkv(x).chunk(3, dim=-1)
         else:
@@ -76,7 +77,9 @@ class Attention(nn.Module):
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), window=None
             )
             return self.o(y.reshape(B, T, -1))
-        if self.mask is not None:
+        if documents is not None:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=documents, enable_gqa=True)
+        elif self.mask is not None:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask[:T, :T], enable_gqa=True)
         else:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
@@ -121,11 +124,11 @@ class Block(nn.Module):
         # (batch,) bool: the samples this block runs on, set per batch; Net does not call it where none is
         self.keep: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
         if not self.active:
             return x
         keep = self.keep
-        h = x + self.attn(self.attn_norm(x))
+        h = x + self.attn(self.attn_norm(x), documents)
         out = h + self.mlp(self.mlp_norm(h))
         out = x + (out - x) * self.gain if self.gain is not None else out
         return out if keep is None else torch.where(keep[:, None, None], out, x)
@@ -253,11 +256,23 @@ class Net(nn.Module):
     def pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return self.loss_fn(logits, targets)
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``position_ids``: packed documents (restarting at 0 at each), attended to apart, as a user writes it:
+        one mask for every block."""
         x = self.embed(tokens)
+        documents = None
+        if position_ids is not None:
+            ids = (position_ids == 0).cumsum(-1)
+            causal = torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool, device=ids.device).tril()
+            documents = ((ids.unsqueeze(-1) == ids.unsqueeze(-2)) & causal).unsqueeze(1)
         for block in self.blocks:
             if block.keep is None or bool(block.keep.any()):  # none of this rank's samples: not called
-                x = block(x)
+                x = block(x) if documents is None else block(x, documents)
         logits = self.head(x)
         if targets is None:
             return logits
@@ -369,7 +384,9 @@ class ConformanceModule(LightningModule):
 
     def _loss(self, batch: Any) -> torch.Tensor:
         assert self.net is not None
-        inputs, targets = batch
+        inputs, targets, *positions = batch  # (inputs, targets, position_ids) with packed documents
+        if positions:
+            return self.net(inputs, targets, positions[0])
         if self.features.get("conditional_block"):  # per sample, so one process runs the same on the union
             first, last = self.net.blocks[0], self.net.blocks[-1]
             first.keep, last.keep = inputs[:, 0] % 3 == 0, inputs[:, 0] % 3 == 1

@@ -50,16 +50,26 @@ COLLECTIVE_TIMEOUT = timedelta(seconds=60)
 DATA_SEED = 1234
 
 
-def datasets() -> tuple[TensorDataset, TensorDataset]:
+def datasets(documents: bool = False) -> tuple[TensorDataset, TensorDataset]:
+    """``documents``: each sequence packs two documents, cut where the data's generator says; the samples are
+    then (inputs, targets, position_ids), the positions restarting at 0 at the second document."""
     g = torch.Generator().manual_seed(DATA_SEED)
     tokens = torch.randint(0, VOCAB, (TRAIN_SEQUENCES + VAL_SEQUENCES, SEQ + 1), generator=g)
     train, val = tokens[:TRAIN_SEQUENCES], tokens[TRAIN_SEQUENCES:]
-    return TensorDataset(train[:, :-1], train[:, 1:]), TensorDataset(val[:, :-1], val[:, 1:])
+    if not documents:
+        return TensorDataset(train[:, :-1], train[:, 1:]), TensorDataset(val[:, :-1], val[:, 1:])
+    cuts = torch.randint(2, SEQ - 1, (len(tokens), 1), generator=g)
+    index = torch.arange(SEQ).expand(len(tokens), SEQ)
+    positions = torch.where(index < cuts, index, index - cuts)
+    return (
+        TensorDataset(train[:, :-1], train[:, 1:], positions[:TRAIN_SEQUENCES]),
+        TensorDataset(val[:, :-1], val[:, 1:], positions[TRAIN_SEQUENCES:]),
+    )
 
 
-def _loaders(dp: int | None) -> tuple[DataLoader, DataLoader]:
+def _loaders(dp: int | None, documents: bool = False) -> tuple[DataLoader, DataLoader]:
     """dp None: the reference, which draws the union batches through the sampler Lightning would inject."""
-    train, val = datasets()
+    train, val = datasets(documents)
     if dp is None:
         sampler = DistributedSampler(train, num_replicas=1, rank=0, shuffle=True, seed=0)
         return DataLoader(train, batch_size=GLOBAL_BATCH, sampler=sampler), DataLoader(val, batch_size=2)
@@ -131,7 +141,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         num_sanity_val_steps=0, precision="bf16-mixed" if scenario.bf16 else "32-true", callbacks=callbacks,
         **flags,
     )  # fmt: skip
-    train, val = _loaders(layout.dp if layout else None)
+    train, val = _loaders(layout.dp if layout else None, bool(features.get("documents")))
     init = None
     if layout is None:  # one process: the initial weights, from which every layout's updates are measured
         module.configure_model()

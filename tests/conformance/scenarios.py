@@ -319,6 +319,12 @@ SCENARIOS = [
     ),
     Scenario("pos-embed", "learned position embeddings", features=dict(pos_embed=True)),
     Scenario(
+        "documents",
+        "packed documents: batches (inputs, targets, position_ids), the model's own attention masked to each "
+        "document",
+        features=dict(documents=True),
+    ),
+    Scenario(
         "layer-scale",
         "a learned gain held by each block, marked 'sequence_parallel' in the plan",
         features=dict(layer_scale=True),
@@ -430,6 +436,10 @@ REFUSED: dict[str, list[tuple[Any, str]]] = {
         ),
     ],
     "tied": [(_pipelined, "which different pipeline stages hold (tied weights)")],
+    "documents": [
+        (_pipelined, "a batch with position_ids cannot run at"),
+        (_context_parallel, "a batch with position_ids cannot run at"),
+    ],
     "model-parallel-module": [
         (_pipelined, "the model applied fully_shard itself, and pp > 1"),
         (_context_parallel, "applied fully_shard itself on the data-parallel mesh, and cp=2"),

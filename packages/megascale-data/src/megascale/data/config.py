@@ -34,6 +34,11 @@ class WebDataConfig:
         backoff: first retry delay in seconds.
         on_corrupt: a corrupt or truncated shard is skipped with a warning and counted ("warn"), or raises.
         timeout: seconds a rank waits for a batch (and the reader for the ranks) before an error.
+        document_mask: batches are ``(inputs, targets, position_ids)``, the positions restarting at 0 at every
+            document (the token after each end-of-sequence) and at each window's start, so the model keeps
+            attention inside each document (``GPT.forward(..., position_ids)``). Off by default: pretraining
+            as Megatron packs (documents see the ones before them in a window); on for fine-tuning and long
+            context, where recipes mask across documents.
     """
 
     sources: list[Source]
@@ -50,6 +55,7 @@ class WebDataConfig:
     backoff: float = 0.5
     on_corrupt: Literal["warn", "raise"] = "warn"
     timeout: float = 300.0
+    document_mask: bool = False
 
     def __post_init__(self) -> None:
         if not self.sources:

@@ -25,7 +25,8 @@ __all__ = ["WebDataModule"]
 
 
 class WebDataModule(LightningDataModule):
-    """Training (and optionally validation) batches ``(inputs, targets)`` from WebDataset shards.
+    """Training (and optionally validation) batches ``(inputs, targets)`` from WebDataset shards;
+    ``(inputs, targets, position_ids)`` with ``document_mask`` set in a stream's config.
 
     Args:
         train: the training stream (endless: set the trainer's ``max_steps``).
@@ -48,6 +49,11 @@ class WebDataModule(LightningDataModule):
     def tokenizer(self) -> Tokenizer:
         """The training stream's tokenizer (``encode``/``decode``; e.g. for sampling from the trained model)."""
         return load_tokenizer(self.train.tokenizer)
+
+    @property
+    def document_mask(self) -> bool:
+        """Whether batches carry ``position_ids`` restarting at each document (either stream's config)."""
+        return self.train.document_mask or (self.val is not None and self.val.document_mask)
 
     @property
     def vocab_size(self) -> int:
@@ -79,7 +85,7 @@ class WebDataModule(LightningDataModule):
             "run_id": f"lightning-{run_id}",
         }
 
-    def train_dataloader(self) -> Iterable[tuple[Tensor, Tensor]]:
+    def train_dataloader(self) -> Iterable[tuple[Tensor, ...]]:
         if self._train_loader is not None:
             self._train_loader.close()
         self._final_state = None
@@ -90,7 +96,7 @@ class WebDataModule(LightningDataModule):
         self._train_loader = loader
         return _Batches(loader)
 
-    def val_dataloader(self) -> Iterable[tuple[Tensor, Tensor]]:
+    def val_dataloader(self) -> Iterable[tuple[Tensor, ...]]:
         if self.val is None:
             return []
         layout = self._layout()
@@ -142,5 +148,5 @@ class _Batches:
     def __init__(self, loader: WebLoader) -> None:
         self.loader = loader
 
-    def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
+    def __iter__(self) -> Iterator[tuple[Tensor, ...]]:
         return iter(self.loader)

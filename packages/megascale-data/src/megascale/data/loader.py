@@ -33,6 +33,7 @@ from megascale.data.config import WebDataConfig
 from megascale.data.lanes import ReadOptions
 from megascale.data.order import CanonicalOrder
 from megascale.data.packing import TextPreprocess
+from megascale.data.positions import positions_after_eos
 from megascale.data.reader import ReaderSpec, iter_batches, launch_reader, pickle_spec
 from megascale.data.shm import (
     CLOSED,
@@ -135,7 +136,7 @@ class WebLoader:
         self._ring: ShmRing | None = None
         self._process: Any = None
         self._thread_queue: queue.Queue | None = None
-        self._iterator: Iterator[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._iterator: Iterator[tuple[torch.Tensor, ...]] | None = None
         self._exhausted = False
 
     # --- state -----------------------------------------------------------------------------------------
@@ -310,7 +311,7 @@ class WebLoader:
 
     # --- reading ---------------------------------------------------------------------------------------
 
-    def _deliver(self, tokens: np.ndarray, meta: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _deliver(self, tokens: np.ndarray, meta: dict[str, Any]) -> tuple[torch.Tensor, ...]:
         self._delivered += 1
         self._history.append((self._delivered, meta))
         corrupt_before = self._stats.get("corrupt_shards", 0)
@@ -324,14 +325,17 @@ class WebLoader:
         batch = torch.from_numpy(tokens.astype(np.int64))
         if torch.cuda.is_available():
             batch = batch.pin_memory()
-        return batch[:, :-1], batch[:, 1:]
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        if self.config.document_mask:
+            return inputs, targets, positions_after_eos(inputs, self.tokenizer.eos_id)
+        return inputs, targets
 
     def _fold_history(self) -> None:
         while len(self._history) >= self._history.maxlen - 1:  # type: ignore[operator]
             _, meta = self._history.popleft()
             self._base_cursors.update(meta["cursors"])
 
-    def _from_ring(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def _from_ring(self) -> Iterator[tuple[torch.Tensor, ...]]:
         ring = self._ring
         assert ring is not None
         shape = (self._n_rows, self.config.batch_size, self.config.seq_len + 1)
@@ -348,7 +352,7 @@ class WebLoader:
             yield self._deliver(tokens, json.loads(raw_meta))
             seq += 1
 
-    def _inline(self, spec: ReaderSpec) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def _inline(self, spec: ReaderSpec) -> Iterator[tuple[torch.Tensor, ...]]:
         spec = replace(spec, num_workers=0)
         out: queue.Queue = queue.Queue(maxsize=spec.prefetch)
         stop = threading.Event()
@@ -384,7 +388,7 @@ class WebLoader:
         finally:
             stop.set()
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
         """An endless stream continues across ``iter()`` calls (a trainer's epochs are windows over it); a
         finite one (``max_steps``, inline) is read again from its start once it ended (validation)."""
         if self._started and not self.tree and self.max_steps is not None and self._exhausted:
@@ -392,7 +396,7 @@ class WebLoader:
             self._history.clear()
         return self._stream()
 
-    def _stream(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def _stream(self) -> Iterator[tuple[torch.Tensor, ...]]:
         # a generator: nothing starts before the first next() (Lightning calls iter() just to check)
         if not self._started:
             self._begin()

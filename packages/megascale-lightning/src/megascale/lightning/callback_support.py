@@ -81,3 +81,17 @@ def check_trainer_features(
             "hand cannot be interleaved with it. Use pp=1 (tp and ZeRO work with manual optimization), or "
             "automatic optimization"
         )
+    datamodule = getattr(trainer, "datamodule", None)
+    if getattr(datamodule, "document_mask", False):
+        check_packed_documents(f"{type(datamodule).__name__}(document_mask=True)", dims, zero_stage, ep)
+
+
+def check_packed_documents(what: str, dims: ParallelDims, zero_stage: int, ep: int = 1) -> None:
+    """Refuse (ValueError) packed documents' ``position_ids`` (``what`` brings them) where the layout cannot
+    split them yet: pipeline microbatches and context-parallel chunks."""
+    if dims.pp > 1 or dims.cp > 1:
+        raise ValueError(
+            f"{what} cannot run at {_layout(dims, zero_stage, ep)} yet: packed documents' position_ids are not "
+            "split into pipeline microbatches (pp) nor into context-parallel chunks (cp). Use pp=1 and cp=1 "
+            "(tp, ep and ZeRO 0-3 take them), or batches without position_ids (document_mask=False)"
+        )

@@ -74,11 +74,13 @@ __all__ = [
     "TokenDataModule",
     "TokenWindows",
     "data_parallel_layout",
+    "load_documents",
     "load_tokens",
 ]
 
 _RANDOM_PREFIX = "random:"
 _RANDOM_STEPS = 4  # successors per token in the synthetic source: loss floor ln 4
+_RANDOM_DOCUMENT = (4, 65)  # the synthetic source's documents: 4 to 64 tokens (document_mask)
 
 
 def data_parallel_layout(trainer: Trainer | None) -> tuple[int, int]:
@@ -97,7 +99,8 @@ def data_parallel_layout(trainer: Trainer | None) -> tuple[int, int]:
     return int(trainer.world_size), int(trainer.global_rank)
 
 
-def _stdlib_bytes(max_bytes: int) -> bytes:
+def _stdlib_chunks(max_bytes: int) -> list[bytes]:
+    """The standard library's sources, one file each, until ``max_bytes`` are reached."""
     root = Path(sysconfig.get_paths()["stdlib"])
     chunks, total = [], 0
     for path in sorted(root.rglob("*.py")):
@@ -110,10 +113,11 @@ def _stdlib_bytes(max_bytes: int) -> bytes:
             break
     if not chunks:
         raise FileNotFoundError(f"no Python sources found under {root}")
-    return b"".join(chunks)[:max_bytes]
+    return chunks
 
 
-def _path_bytes(source: str, max_bytes: int) -> bytes:
+def _path_chunks(source: str, max_bytes: int) -> list[bytes]:
+    """The files of ``source`` (a file, or a directory's files but hidden ones), until ``max_bytes``."""
     root = Path(source).expanduser()
     if root.is_file():
         files = [root]
@@ -134,10 +138,9 @@ def _path_bytes(source: str, max_bytes: int) -> bytes:
         total += len(data)
         if total >= max_bytes:
             break
-    text = b"".join(chunks)[:max_bytes]
-    if not text:
+    if not any(chunks):
         raise ValueError(f"data source {source!r} holds no bytes")
-    return text
+    return chunks
 
 
 def _random_vocab(source: str) -> int:
@@ -166,33 +169,62 @@ def load_tokens(source: str, max_bytes: int, seed: int = 0) -> tuple[torch.Tenso
     Bytes are kept as uint8 and synthetic tokens in the narrowest integer type that holds them, so a large
     corpus costs one byte per token; samples are widened to int64 when they are read.
     """
+    tokens, vocab, _ = load_documents(source, max_bytes, seed)
+    return tokens, vocab
+
+
+def load_documents(source: str, max_bytes: int, seed: int = 0) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """``load_tokens``' stream and vocabulary, and where its documents start (int64 offsets, the first 0): each
+    file of a text source (a module of the standard library), and for "random:" synthetic documents of
+    ``_RANDOM_DOCUMENT`` tokens (drawn from ``seed``)."""
     if source.startswith(_RANDOM_PREFIX):
         vocab = _random_vocab(source)
         tokens = _random_tokens(vocab, max_bytes, seed)
         dtype = torch.uint8 if vocab <= 256 else torch.int16 if vocab <= 2**15 else torch.int32
-        return tokens.to(dtype), vocab
-    data = _stdlib_bytes(max_bytes) if source == "stdlib" else _path_bytes(source, max_bytes)
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8), 256
+        gen = torch.Generator().manual_seed(seed + 1)
+        lengths = torch.randint(*_RANDOM_DOCUMENT, (max_bytes // _RANDOM_DOCUMENT[0] + 1,), generator=gen)
+        starts = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+        return tokens.to(dtype), vocab, starts[starts < max_bytes]
+    chunks = _stdlib_chunks(max_bytes) if source == "stdlib" else _path_chunks(source, max_bytes)
+    data = b"".join(chunks)[:max_bytes]
+    starts = torch.tensor([0] + [len(c) for c in chunks[:-1]], dtype=torch.int64).cumsum(0)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8), 256, starts[starts < len(data)]
 
 
 class TokenWindows(Dataset):
-    """Windows of ``seq_len + 1`` tokens at stride ``seq_len``; item i is (inputs, targets) = (w[:-1], w[1:])."""
+    """Windows of ``seq_len + 1`` tokens at stride ``seq_len``; item i is (inputs, targets) = (w[:-1], w[1:]).
 
-    def __init__(self, tokens: torch.Tensor, seq_len: int) -> None:
+    With ``document_starts`` (offsets in ``tokens`` where documents begin), item i is (inputs, targets,
+    position_ids): the positions restart at 0 at each document start and at the window's first token (a
+    document cut by the window restarts there: transformers', torchtitan's and Megatron's convention)."""
+
+    def __init__(
+        self, tokens: torch.Tensor, seq_len: int, document_starts: torch.Tensor | None = None
+    ) -> None:
         if seq_len < 1:
             raise ValueError(f"seq_len={seq_len} must be >= 1")
         self.tokens = tokens
         self.seq_len = seq_len
+        if document_starts is not None and (len(document_starts) == 0 or int(document_starts[0]) != 0):
+            document_starts = torch.cat(
+                [torch.zeros(1, dtype=torch.int64), document_starts]
+            )  # a stream's start
+        self.document_starts = document_starts
 
     def __len__(self) -> int:
         return max(0, (len(self.tokens) - 1) // self.seq_len)
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
         if not 0 <= index < len(self):
             raise IndexError(f"window {index} out of range for {len(self)} windows")
         start = index * self.seq_len
         window = self.tokens[start : start + self.seq_len + 1].long()
-        return window[:-1], window[1:]
+        if self.document_starts is None:
+            return window[:-1], window[1:]
+        offsets = torch.arange(start, start + self.seq_len)
+        starts = self.document_starts
+        last = starts[(torch.searchsorted(starts, offsets, right=True) - 1).clamp_min(0)]
+        return window[:-1], window[1:], offsets - last.clamp_min(start)
 
 
 class ResumableDistributedSampler(DistributedSampler):
@@ -330,6 +362,10 @@ class TokenDataModule(LightningDataModule):
         shuffle: shuffle training windows, one seeded permutation per epoch.
         seed: seed of the permutations and of the synthetic source.
         num_workers: DataLoader worker processes.
+        document_mask: samples are (inputs, targets, position_ids), the positions restarting at 0 at each
+            document (a file of a text source; synthetic documents of 4-64 tokens for "random:") and at each
+            window's start, so the model keeps attention inside each document. Off by default (documents see
+            the ones before them in a window, as Megatron packs for pretraining).
     """
 
     def __init__(
@@ -342,6 +378,7 @@ class TokenDataModule(LightningDataModule):
         shuffle: bool = True,
         seed: int = 0,
         num_workers: int = 0,
+        document_mask: bool = False,
     ) -> None:
         super().__init__()
         if not 0.0 <= val_fraction < 1.0:
@@ -357,6 +394,7 @@ class TokenDataModule(LightningDataModule):
         self.shuffle = shuffle
         self.seed = seed
         self.num_workers = num_workers
+        self.document_mask = document_mask
         self.train_dataset: TokenWindows | None = None
         self.val_dataset: TokenWindows | None = None
         # Resume bookkeeping: a loaded state waiting for the next train dataloader, and the point the current
@@ -371,10 +409,12 @@ class TokenDataModule(LightningDataModule):
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_dataset is None:
-            tokens, _ = load_tokens(self.source, self.max_bytes, self.seed)
+            tokens, _, starts = load_documents(self.source, self.max_bytes, self.seed)
             split = len(tokens) - int(len(tokens) * self.val_fraction)
-            self.train_dataset = TokenWindows(tokens[:split], self.seq_len)
-            self.val_dataset = TokenWindows(tokens[split:], self.seq_len)
+            train_starts = starts[starts < split] if self.document_mask else None
+            val_starts = starts[starts >= split] - split if self.document_mask else None
+            self.train_dataset = TokenWindows(tokens[:split], self.seq_len, train_starts)
+            self.val_dataset = TokenWindows(tokens[split:], self.seq_len, val_starts)
             if len(self.train_dataset) == 0:
                 raise ValueError(
                     f"data source {self.source!r} gives {split} training tokens: too few for one window of "

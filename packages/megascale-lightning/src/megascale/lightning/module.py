@@ -63,18 +63,30 @@ from megascale.core.optim import LAMB
 from megascale.core.parallel.grad_clip import grad_norm
 from megascale.lightning.data import data_parallel_layout
 
-__all__ = ["GPTModule", "batch_size_fn", "length_fn", "split_batch", "warmup_cosine"]
+__all__ = ["GPTModule", "batch_size_fn", "length_fn", "position_ids_of", "split_batch", "warmup_cosine"]
 
 
 def split_batch(batch: Any) -> tuple[Tensor, Tensor]:
-    """(inputs, targets) of a batch: an (inputs, targets) pair or a dict with ``input_ids`` and ``labels``."""
+    """(inputs, targets) of a batch: an (inputs, targets) pair, an (inputs, targets, position_ids) triple, or a
+    dict with ``input_ids`` and ``labels`` (and ``position_ids``)."""
     if isinstance(batch, Mapping):
         return batch["input_ids"], batch["labels"]
-    if isinstance(batch, Sequence) and len(batch) == 2:
+    if isinstance(batch, Sequence) and len(batch) in (2, 3):
         return batch[0], batch[1]
     raise TypeError(
-        f"expected a batch (inputs, targets) or {{'input_ids': ..., 'labels': ...}}, got {type(batch).__name__}"
+        f"expected a batch (inputs, targets[, position_ids]) or {{'input_ids': ..., 'labels': ...}}, got "
+        f"{type(batch).__name__}"
     )
+
+
+def position_ids_of(batch: Any) -> Tensor | None:
+    """The batch's ``position_ids`` (packed documents: positions restarting at 0 at each document; the data
+    modules' ``document_mask=True``), or None."""
+    if isinstance(batch, Mapping):
+        return batch.get("position_ids")
+    if isinstance(batch, Sequence) and not isinstance(batch, Tensor) and len(batch) == 3:
+        return batch[2]
+    return None
 
 
 def batch_size_fn(batch: Any) -> int:
@@ -291,9 +303,12 @@ class GPTModule(LightningModule):
             )
         return self.model
 
-    def forward(self, tokens: Tensor, targets: Tensor | None = None) -> Tensor:
-        """Logits (B, T, padded vocab) of ``tokens``, or the mean next-token loss when ``targets`` are given."""
-        return self.gpt(tokens, targets)
+    def forward(
+        self, tokens: Tensor, targets: Tensor | None = None, position_ids: Tensor | None = None
+    ) -> Tensor:
+        """Logits (B, T, padded vocab) of ``tokens``, or the mean next-token loss when ``targets`` are given;
+        ``position_ids`` for packed documents (see ``GPT.forward``)."""
+        return self.gpt(tokens, targets, position_ids=position_ids)
 
     @torch.no_grad()
     def generate(
@@ -334,7 +349,7 @@ class GPTModule(LightningModule):
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         inputs, targets = split_batch(batch)
         self._update_flops(inputs, training=True)
-        loss = self.gpt(inputs, targets)
+        loss = self.gpt(inputs, targets, position_ids=position_ids_of(batch))
         size = int(inputs.shape[0])
         self.log(
             "train/loss", _plain(loss.detach()), prog_bar=True, on_step=True, on_epoch=False, sync_dist=True,
@@ -355,13 +370,13 @@ class GPTModule(LightningModule):
     def validation_step(self, batch: Any, batch_idx: int) -> Tensor:
         inputs, targets = split_batch(batch)
         self._update_flops(inputs, training=False)
-        loss = self.gpt(inputs, targets)
+        loss = self.gpt(inputs, targets, position_ids=position_ids_of(batch))
         self.log("val/loss", _plain(loss), prog_bar=True, sync_dist=True, batch_size=int(inputs.shape[0]))
         return loss
 
     def test_step(self, batch: Any, batch_idx: int) -> Tensor:
         inputs, targets = split_batch(batch)
-        loss = self.gpt(inputs, targets)
+        loss = self.gpt(inputs, targets, position_ids=position_ids_of(batch))
         self.log("test/loss", _plain(loss), sync_dist=True, batch_size=int(inputs.shape[0]))
         return loss
 
@@ -369,8 +384,11 @@ class GPTModule(LightningModule):
         """Next-token logits (B, T, vocab_size) over the real vocabulary for the batch's inputs (a tensor, an
         (inputs, targets) pair or a dict with ``input_ids``) — the whole vocabulary on every rank, also
         when tensor parallelism splits it."""
-        inputs = batch if isinstance(batch, Tensor) else split_batch(batch)[0]
-        logits = self.gpt(inputs)
+        if isinstance(batch, Tensor):
+            inputs, position_ids = batch, None
+        else:
+            inputs, position_ids = split_batch(batch)[0], position_ids_of(batch)
+        logits = self.gpt(inputs, position_ids=position_ids)
         gather = getattr(self.gpt.loss_fn, "gather_logits", None)
         if gather is not None:
             logits = gather(logits)

@@ -59,8 +59,9 @@ from megascale.core.parallel.plan import ParallelPlan
 from megascale.core.parallel.replica_check import ReplicaGuard
 from megascale.core.parallel.wait_timer import ComputeTimer, Timers, WaitTimer, untimed
 from megascale.lightning import checkpoint_io, dtensor_errors, prebuilt_optimizers, preemption
-from megascale.lightning.callback_support import check_trainer_features
+from megascale.lightning.callback_support import check_packed_documents, check_trainer_features
 from megascale.lightning.memory_check import layout_memory_warning
+from megascale.lightning.module import position_ids_of
 from megascale.lightning.pipeline_loop import PipelineLoop
 from megascale.lightning.precision import _GlobalNormClipping, to_megascale_precision
 from megascale.lightning.stage_values import check_same_on_every_stage
@@ -495,7 +496,10 @@ class MegaScaleStrategy(ParallelStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if not self._memory_checked:
             self._memory_checked = True
-            self._warn_if_over_memory(args[0] if args else kwargs.get("batch"))
+            batch = args[0] if args else kwargs.get("batch")
+            if position_ids_of(batch) is not None:  # a dataloader of the user's own brings them
+                check_packed_documents("a batch with position_ids", self.dims, self.zero_stage, self.plan.ep)
+            self._warn_if_over_memory(batch)
         if self._rng_to_restore is not None:
             self._restore_rng(self._rng_to_restore)
             self._rng_to_restore = None
