@@ -7,7 +7,8 @@ Prints one markdown table with, on this machine's GPU and torch:
 - attention: SDPA causal, then window 1024 at T 4096 (B2, H32/8, hd128, bf16) through every backend that can
   run here (SDPA with a dense mask, FlexAttention, flash-attn 2, flash-attn 4), in useful TFLOP/s (the
   (query, key) pairs the mask keeps, 4·hd FLOPs each forward, 2.5x that backward) and as a ratio of SDPA
-  causal's useful rate (the target for a window: >= 0.8x);
+  causal's useful rate (the target for a window: >= 0.8x); then packed documents of T/16 to T/2 tokens
+  through SDPA's masked kernel and FlexAttention's document block mask (target: >= 0.9x causal's rate);
 - one training step at TinyLlama-1.1B shapes (d 2048, 22 layers, 32 heads / 4 KV, FFN 5632 SwiGLU, vocab
   32000, seq 2048, micro-batch 8; fp32 weights, bf16 autocast, fused AdamW, random tokens): megascale GPT
   (sequential blocks, kernels auto), the same with a 1024-token window on every other layer and with its
@@ -316,6 +317,7 @@ def part_attention(table: Table, device: torch.device, sizes: Sizes, budget: Bud
                 else f"{flops / t_fwd / 1e9:.2f} / {rate * 1e3:.2f} GFLOP/s",
                 vs=ratio,
             )  # fmt: skip
+    _document_rows(table, device, (q, k, v, grad), sizes, budget, causal_rate)
     windowed = [
         r["vs"] for r in table.rows if r["part"] == "attention" and "window" in r["case"] and r.get("vs")
     ]
@@ -330,6 +332,68 @@ def part_attention(table: Table, device: torch.device, sizes: Sizes, budget: Bud
         "attention", "automatic choice", f"causal: {auto[None]}, window: {auto[window]}",
         note="; ".join(dict.fromkeys(sdpa_notes)) or "SDPA kernel not observed",
     )  # fmt: skip
+
+
+def _document_rows(
+    table: Table, device: torch.device, tensors: tuple[torch.Tensor, ...], sizes: Sizes, budget: Budget,
+    causal_rate: float | None,
+) -> None:  # fmt: skip
+    """Packed documents (issue 34): attention kept inside documents of T/16 to T/2 tokens (256 to 2048 at T
+    4096), through SDPA's masked kernel (the automatic choice) and FlexAttention's document block mask, in
+    useful TFLOP/s (the pairs inside documents) against SDPA causal's; target >= 0.9x."""
+    from megascale.core.kernels import KernelUnavailableError, attention, document_ids
+
+    bench = _load_kernel_bench()
+    q, k, v, grad = tensors
+    B, T, H, KV, hd, _ = sizes.attn
+    gen = torch.Generator().manual_seed(1)
+    rows = []
+    for _ in range(B):
+        lengths, total = [], 0
+        while total < T:
+            n = min(int(torch.randint(max(T // 16, 1), T // 2 + 1, (), generator=gen)), T - total)
+            lengths.append(n)
+            total += n
+        rows.append(torch.cat([torch.arange(n) for n in lengths]))
+    documents = document_ids(torch.stack(rows)).to(device)
+    counts = torch.stack([torch.bincount(d) for d in documents.cpu()]).double()
+    pairs = float((counts * (counts + 1) / 2).sum()) / B
+    label = f"B{B} T{T} H{H}/{KV} hd{hd} documents"
+    rates = []
+    for backend in ("sdpa", "flex"):
+        if budget.spent(reserve=20):
+            table.add("attention", label, backend, note="skipped: time budget spent")
+            continue
+        with guarded(table, "attention", label):
+            try:
+                attention.select(device, backend)
+            except KernelUnavailableError as exc:
+                table.add("attention", label, backend, note=f"skipped: {_short(exc, 300)}")
+                continue
+
+            def fwd(backend: str = backend) -> torch.Tensor:
+                return attention(q, k, v, documents=documents, backend=backend)
+
+            def fwd_bwd(fwd: Callable[[], torch.Tensor] = fwd) -> Any:
+                return torch.autograd.grad(fwd(), (q, k, v), grad)
+
+            t_fwd = bench.time_call(fwd, device, sizes.kernel_warmup, sizes.kernel_iters)
+            t_all = bench.time_call(fwd_bwd, device, sizes.kernel_warmup, sizes.kernel_iters)
+            flops = 4.0 * B * H * hd * pairs
+            rate = 3.5 * flops / t_all / 1e12
+            rates.append(rate)
+            table.add(
+                "attention", label, backend,
+                time=f"{t_fwd * 1e3:.3f} / {t_all * 1e3:.3f} ms (fwd / fwd+bwd)",
+                rate=f"{flops / t_fwd / 1e12:.0f} / {rate:.0f} TFLOP/s" if device.type == "cuda"
+                else f"{flops / t_fwd / 1e9:.2f} / {rate * 1e3:.2f} GFLOP/s",
+                vs="" if causal_rate is None else f"{rate / causal_rate:.2f}x SDPA causal",
+            )  # fmt: skip
+    best = max(rates, default=None)
+    ratio = None if best is None or causal_rate is None else best / causal_rate
+    TARGETS.add(f"document mask at T {T}: useful TFLOP/s vs causal (best backend)", ">= 0.9x",
+                "-" if ratio is None else f"{ratio:.2f}x",
+                None if ratio is None or device.type != "cuda" else ratio >= 0.9)  # fmt: skip
 
 
 # --- one training step ----------------------------------------------------------------------------------------
