@@ -28,6 +28,7 @@ from __future__ import annotations
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import BaseFinetuning, StochasticWeightAveraging
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import nn
 from torch.distributed import ProcessGroup
 
 from megascale.core.parallel.mesh import ParallelDims
@@ -83,13 +84,19 @@ def check_trainer_features(
         )
     datamodule = getattr(trainer, "datamodule", None)
     if getattr(datamodule, "document_mask", False):
-        check_packed_documents(f"{type(datamodule).__name__}(document_mask=True)", dims, zero_stage, ep)
+        what = f"{type(datamodule).__name__}(document_mask=True)"
+        check_packed_documents(what, module, dims, zero_stage, ep)
 
 
-def check_packed_documents(what: str, dims: ParallelDims, zero_stage: int, ep: int = 1) -> None:
+def check_packed_documents(
+    what: str, module: nn.Module, dims: ParallelDims, zero_stage: int, ep: int = 1
+) -> None:
     """Refuse (ValueError) packed documents' ``position_ids`` (``what`` brings them) where the layout cannot
-    split them yet: pipeline microbatches and context-parallel chunks."""
-    if dims.pp > 1 or dims.cp > 1:
+    split them yet: context-parallel chunks, and pipeline microbatches of a model whose blocks do not take
+    them (megascale's GPT does: ``blocks_take_position_ids``)."""
+    pipelined = [m for m in module.modules() if hasattr(m, "_megascale_pipeline")]
+    stages_take_them = all(getattr(m, "blocks_take_position_ids", False) for m in pipelined)
+    if (dims.pp > 1 and not stages_take_them) or dims.cp > 1:
         raise ValueError(
             f"{what} cannot run at {_layout(dims, zero_stage, ep)} yet: packed documents' position_ids are not "
             "split into pipeline microbatches (pp) nor into context-parallel chunks (cp). Use pp=1 and cp=1 "

@@ -498,7 +498,10 @@ class MegaScaleStrategy(ParallelStrategy):
             self._memory_checked = True
             batch = args[0] if args else kwargs.get("batch")
             if position_ids_of(batch) is not None:  # a dataloader of the user's own brings them
-                check_packed_documents("a batch with position_ids", self.dims, self.zero_stage, self.plan.ep)
+                assert self.model is not None
+                check_packed_documents(
+                    "a batch with position_ids", self.model, self.dims, self.zero_stage, self.plan.ep
+                )
             self._warn_if_over_memory(batch)
         if self._rng_to_restore is not None:
             self._restore_rng(self._rng_to_restore)

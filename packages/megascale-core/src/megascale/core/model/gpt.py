@@ -86,6 +86,7 @@ class GPT(nn.Module):
     """
 
     init_weights_handles_shards = True  # init_weights fills tensor-parallel shards itself, layout independent
+    blocks_take_position_ids = True  # block(x, position_ids): pipeline stages hand packed documents on
     embed: TokenEmbedding | None  # None on pipeline ranks that hold no first stage
     head: LMHead | None  # None on pipeline ranks that hold no last stage
     sequence_multiple: int = 1  # sequence lengths must be multiples of this (sequence parallelism sets tp)

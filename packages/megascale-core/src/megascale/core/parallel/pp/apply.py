@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 import torch.distributed as dist
@@ -87,10 +87,20 @@ class StageModule(nn.Module):
         self.layers = nn.ModuleList([*first, *blocks, *last])
         self.segments = [list(first), list(blocks), list(last)]
         self.balancing_sum: torch.Tensor | float = 0.0
+        self._blocks = range(len(first), len(first) + len(blocks))
+        # packed documents: the step's position_ids split as its microbatches are, and the microbatch's own
+        # (every pipeline rank holds the whole batch; the stage is told which microbatch it computes)
+        self.position_chunks: tuple[torch.Tensor, ...] | None = None
+        self.positions: torch.Tensor | None = None
+
+    def select_microbatch(self, index: int) -> None:
+        self.positions = None if self.position_chunks is None else self.position_chunks[index]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x)
+        positions = self.positions
+        for i, layer in enumerate(self.layers):
+            # blocks of a model that takes position_ids (blocks_take_position_ids) get them as a second input
+            x = layer(x) if positions is None or i not in self._blocks else layer(x, positions)
         if self.training and torch.is_grad_enabled():
             from megascale.core.model.moe import attach_balancing_losses
 
@@ -272,9 +282,29 @@ class Pipeline:
                 f"{self.num_microbatches} equal microbatches: make the per-rank batch size a multiple of it"
             )
 
-    def loss(self, tokens: torch.Tensor, targets: torch.Tensor, *, backward: bool) -> torch.Tensor:
+    @contextmanager
+    def _positions(self, position_ids: torch.Tensor | None, schedule: Any) -> Iterator[None]:
+        """The stages' position_ids for this step, split into the schedule's microbatches (packed documents)."""
+        chunks = None if position_ids is None else position_ids.tensor_split(schedule._n_microbatches)
+        for stage in self.stage_modules:
+            stage.position_chunks, stage.positions = chunks, None
+        try:
+            yield
+        finally:
+            for stage in self.stage_modules:
+                stage.position_chunks, stage.positions = None, None
+
+    def loss(
+        self,
+        tokens: torch.Tensor,
+        targets: torch.Tensor,
+        *,
+        backward: bool,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Mean loss over the batch on every rank of the pipeline; with ``backward`` the gradients of every
-        microbatch are accumulated into this rank's parameters (scaled by 1/num_microbatches)."""
+        microbatch are accumulated into this rank's parameters (scaled by 1/num_microbatches).
+        ``position_ids``: packed documents (the whole batch's, on every rank; see ``GPT.forward``)."""
         if backward:
             self._check_batch(tokens)
         losses: list[torch.Tensor] = []
@@ -285,11 +315,12 @@ class Pipeline:
         for stage in self.stage_modules:  # a mixture of experts' balancing losses, weighted alike
             stage.loss_weight, stage.balancing_sum = scale, 0.0
         # return_outputs=False: the last stage keeps no microbatch's output (the logits) once its loss is taken
-        if backward:
-            schedule.step(*args, return_outputs=False, **kwargs)
-        else:
-            with torch.no_grad():  # evaluation in train or eval mode alike: no microbatch keeps its graph
-                schedule.eval(*args, return_outputs=False, **kwargs)
+        with self._positions(position_ids, schedule):
+            if backward:
+                schedule.step(*args, return_outputs=False, **kwargs)
+            else:
+                with torch.no_grad():  # evaluation in train or eval mode alike: no microbatch keeps its graph
+                    schedule.eval(*args, return_outputs=False, **kwargs)
         loss = torch.stack([x.detach().float() for x in losses]).mean() / scale if self.has_last else None
         if loss is None:
             loss = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -303,9 +334,11 @@ class Pipeline:
         return loss
 
     @torch.no_grad()
-    def outputs(self, inputs: torch.Tensor) -> torch.Tensor:
+    def outputs(self, inputs: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """The model's outputs for ``inputs`` (forward only; float32), on every rank of the pipeline."""
-        out = self._schedule("logits", tuple(inputs.shape)).eval(*((inputs,) if self.has_first else ()))
+        schedule = self._schedule("logits", tuple(inputs.shape))
+        with self._positions(position_ids, schedule):
+            out = schedule.eval(*((inputs,) if self.has_first else ()))
         shape = torch.zeros(8, dtype=torch.long, device=self.device)  # (ndim, sizes...) of the output
         if self.has_last:
             assert isinstance(out, torch.Tensor) and out.dim() < 8
@@ -452,6 +485,7 @@ class _LeanStage(PipelineStage):
                 pool.give_back(bwd_chunk_id, sending)
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        cast(StageModule, self.submod).select_microbatch(fwd_chunk_id)  # its packed documents' positions
         output = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
         if self.is_last:
             if not self.has_backward:
@@ -559,15 +593,16 @@ class _RunsPipeline:
         targets: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if position_ids is not None:  # the strategy refuses this at start-up; a guard for direct use
-            raise ValueError(
-                "packed documents (position_ids) under pipeline parallelism are not supported yet: the positions "
-                "are not split into the pipeline's microbatches; use pp=1, or batches without position_ids"
+        if position_ids is not None and not getattr(self, "blocks_take_position_ids", False):
+            raise ValueError(  # the strategy refuses this at start-up; a guard for direct use
+                f"packed documents (position_ids) under pipeline parallelism need a model whose blocks take them "
+                f"as their second input (megascale's GPT: blocks_take_position_ids); {type(self).__name__}'s "
+                "are called with the hidden states alone. Use pp=1, or batches without position_ids"
             )
         if targets is None:
-            return self._megascale_pipeline.outputs(inputs)
+            return self._megascale_pipeline.outputs(inputs, position_ids)
         backward = torch.is_grad_enabled() and self.training
-        return self._megascale_pipeline.loss(inputs, targets, backward=backward)
+        return self._megascale_pipeline.loss(inputs, targets, backward=backward, position_ids=position_ids)
 
 
 _PIPELINED: dict[type, type] = {}
