@@ -38,6 +38,7 @@ class Attention(nn.Module):
     context_parallel = (
         None  # set under cp > 1 (the Net's context_parallel_plan): attends over every rank's keys
     )
+    documents_unpassed_under_cp = False  # a user's cp branch written before packed documents
 
     def __init__(self, width: int, heads: int, kv_heads: int, bias: bool, fused: bool, mask_len: int,
                  mask_device: bool = False) -> None:  # fmt: skip
@@ -62,8 +63,9 @@ class Attention(nn.Module):
         else:
             self.mask = None
 
-    def forward(self, x: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
-        """``documents``: a (B, 1, T, T) boolean mask keeping attention inside each packed document."""
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``position_ids`` (B, T): packed documents (restarting at 0 at each), attended to apart. Under cp they
+        are the whole sequences', as context_parallel.attention takes them."""
         if self.fused:  # q ‖ k ‖ v (as many heads each): a column split must cut each part, not the whole
             q, k, v = self.qkv(x).chunk(3, dim=-1)
         else:
@@ -73,11 +75,15 @@ class Attention(nn.Module):
         k = k.reshape(B, T, -1, self.head_dim).transpose(1, 2)
         v = v.reshape(B, T, -1, self.head_dim).transpose(1, 2)
         if self.context_parallel is not None:  # (B, T, heads, hd) in and out; causal over the whole sequence
+            passed = None if self.documents_unpassed_under_cp else position_ids
             y = self.context_parallel.attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), window=None
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), window=None, position_ids=passed
             )
             return self.o(y.reshape(B, T, -1))
-        if documents is not None:
+        if position_ids is not None:  # as a user writes it: same document ∧ causal, dense
+            ids = (position_ids == 0).cumsum(-1)
+            causal = torch.ones(T, T, dtype=torch.bool, device=ids.device).tril()
+            documents = ((ids.unsqueeze(-1) == ids.unsqueeze(-2)) & causal).unsqueeze(1)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=documents, enable_gqa=True)
         elif self.mask is not None:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask[:T, :T], enable_gqa=True)
@@ -124,11 +130,11 @@ class Block(nn.Module):
         # (batch,) bool: the samples this block runs on, set per batch; Net does not call it where none is
         self.keep: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         if not self.active:
             return x
         keep = self.keep
-        h = x + self.attn(self.attn_norm(x), documents)
+        h = x + self.attn(self.attn_norm(x), position_ids)
         out = h + self.mlp(self.mlp_norm(h))
         out = x + (out - x) * self.gain if self.gain is not None else out
         return out if keep is None else torch.where(keep[:, None, None], out, x)
@@ -194,6 +200,8 @@ class NextTokenLoss(nn.Module):
 class Net(nn.Module):
     """Embedding → blocks → head; lists its layers and loss for pipelines; declares its TP plan."""
 
+    blocks_take_position_ids = True  # block(x, position_ids): packed documents, through pipeline stages too
+
     def __init__(self, shape: dict[str, Any], features: dict[str, Any]) -> None:
         super().__init__()
         vocab, width, seq = shape["vocab"], shape["width"], shape["seq"]
@@ -210,6 +218,8 @@ class Net(nn.Module):
                   bool(features.get("moe")))
             for _ in range(shape["layers"])
         ]  # fmt: skip
+        for block in blocks:
+            block.attn.documents_unpassed_under_cp = bool(features.get("documents_unpassed"))
         # flat: the blocks in an nn.Sequential of a model that lists no layers, so no ZeRO unit holds them
         self.blocks = nn.Sequential(*blocks) if features.get("flat") else nn.ModuleList(blocks)
         self.head = Head(width, vocab, shape["bias"], bool(features.get("unused")))
@@ -262,17 +272,12 @@ class Net(nn.Module):
         targets: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``position_ids``: packed documents (restarting at 0 at each), attended to apart, as a user writes it:
-        one mask for every block."""
+        """``position_ids``: packed documents (restarting at 0 at each), attended to apart: each block is given
+        them (``blocks_take_position_ids``: a pipeline stage hands its microbatch's on the same way)."""
         x = self.embed(tokens)
-        documents = None
-        if position_ids is not None:
-            ids = (position_ids == 0).cumsum(-1)
-            causal = torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool, device=ids.device).tril()
-            documents = ((ids.unsqueeze(-1) == ids.unsqueeze(-2)) & causal).unsqueeze(1)
         for block in self.blocks:
             if block.keep is None or bool(block.keep.any()):  # none of this rank's samples: not called
-                x = block(x) if documents is None else block(x, documents)
+                x = block(x) if position_ids is None else block(x, position_ids)
         logits = self.head(x)
         if targets is None:
             return logits

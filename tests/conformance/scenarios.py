@@ -325,6 +325,11 @@ SCENARIOS = [
         features=dict(documents=True),
     ),
     Scenario(
+        "documents-unpassed",
+        "packed documents, but the attention's context-parallel branch does not pass position_ids on",
+        features=dict(documents=True, documents_unpassed=True),
+    ),
+    Scenario(
         "layer-scale",
         "a learned gain held by each block, marked 'sequence_parallel' in the plan",
         features=dict(layer_scale=True),
@@ -436,10 +441,7 @@ REFUSED: dict[str, list[tuple[Any, str]]] = {
         ),
     ],
     "tied": [(_pipelined, "which different pipeline stages hold (tied weights)")],
-    "documents": [
-        (_pipelined, "a batch with position_ids cannot run at"),
-        (_context_parallel, "a batch with position_ids cannot run at"),
-    ],
+    "documents-unpassed": [(_context_parallel, "called context_parallel.attention without them")],
     "model-parallel-module": [
         (_pipelined, "the model applied fully_shard itself, and pp > 1"),
         (_context_parallel, "applied fully_shard itself on the data-parallel mesh, and cp=2"),

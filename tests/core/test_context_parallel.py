@@ -122,6 +122,57 @@ def test_block_attention_is_sdpa_with_the_positions_mask_forward_and_backward(
         assert masked <= 2 * len(plan.q_runs) + (2 if window else 0)  # only the diagonal and window edges
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused CPU kernel", "fp32 reference"])
+@pytest.mark.parametrize("cp", [1, 2, 3])
+@pytest.mark.parametrize("window", [None, 3, 40])
+def test_block_attention_keeps_each_query_inside_its_document(
+    cp: int, window: int | None, fused: bool
+) -> None:
+    """Packed documents whose boundaries fall inside chunks, on chunk edges and (row 1) a row of one document:
+    the blocks against SDPA over the dense mask (positions ∧ same document), forward and backward; blocks no
+    query's document reaches are skipped."""
+    local = 12
+    whole = local * cp
+    starts = [{0, 5, 6, 13, whole - 1}, {0}]  # row 0: documents of 5, 1, 7, ... tokens; row 1: one document
+    position_ids = torch.stack(
+        [torch.tensor([t - max(s for s in row if s <= t) for t in range(whole)]) for row in starts]
+    )
+    ids = (position_ids == 0).cumsum(-1)
+    gen = torch.Generator().manual_seed(cp * 10 + (window or 0))
+    for rank in range(cp):
+        q_pos = positions(local, rank, cp)
+        halo = choose(local, cp, window) if cp > 1 else None
+        k_pos = (
+            torch.cat([positions(local, r, cp) for r in range(cp)])
+            if halo is None
+            else (torch.cat((halo.positions(rank), q_pos)))
+        )
+        q = torch.randn(2, local, 4, 8, generator=gen, requires_grad=True)
+        k, v = (torch.randn(2, len(k_pos), 2, 8, generator=gen, requires_grad=True) for _ in range(2))
+        plan = block_plan(tuple(q_pos.tolist()), tuple(k_pos.tolist()), window)
+        documents = (ids[:, q_pos], ids[:, k_pos])
+        got = block_attention(q, k, v, plan, fused=fused, documents=documents)
+        mask = attention_mask(q_pos, k_pos, window) & (
+            documents[0].unsqueeze(-1) == documents[1].unsqueeze(-2)
+        )
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=mask.unsqueeze(1),
+            enable_gqa=True,
+        ).transpose(1, 2)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        plain = block_attention(q, k, v, plan, fused=fused)
+        assert not torch.allclose(got[0], plain[0], atol=1e-3), "the documents must change row 0"
+        torch.testing.assert_close(got[1], plain[1], rtol=1e-5, atol=1e-6)  # one document: no change
+        dout = torch.randn(got.shape, generator=gen)
+        grads = torch.autograd.grad(got, (q, k, v), dout)
+        wants = torch.autograd.grad(want, (q, k, v), dout)
+        for name, g, w in zip("qkv", grads, wants):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=f"d{name}, rank {rank}")
+
+
 # ---- layouts against one process ------------------------------------------------------------------------
 
 
@@ -133,6 +184,16 @@ def _config(windowed: bool) -> GPTConfig:
 def _build(windowed: bool) -> GPT:
     torch.manual_seed(0)
     return GPT(_config(windowed))
+
+
+# Packed documents: each row's document starts (position 0), crossing the chunk edges of cp2 and cp4 (chunks of
+# 4 and 2 tokens), a document of one token, and a row of one document; different at each step.
+DOCUMENT_STARTS = ({0, 3, 9}, {0, 7}, {0}, {0, 1, 2, 15})
+
+
+def _position_ids(step: int) -> torch.Tensor:
+    rows = [{(s + step) % SEQ for s in row} | {0} for row in DOCUMENT_STARTS]
+    return torch.tensor([[t - max(s for s in row if s <= t) for t in range(SEQ)] for row in rows])
 
 
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,7 +208,9 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], targets
 
 
-def _train(model: GPT, runtime: Any, dp_rank: int, dp: int) -> dict[str, list[float]]:
+def _train(
+    model: GPT, runtime: Any, dp_rank: int, dp: int, documents: bool = False
+) -> dict[str, list[float]]:
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9, weight_decay=0.1)
     if runtime is not None:
         runtime.zero.attach_optimizers([optimizer])
@@ -157,7 +220,8 @@ def _train(model: GPT, runtime: Any, dp_rank: int, dp: int) -> dict[str, list[fl
         share = BATCH // dp
         rows = slice(dp_rank * share, (dp_rank + 1) * share)
         tokens, targets = tokens[rows], targets[rows]  # whole sequences: the model keeps its chunks
-        loss = model(tokens, targets)
+        position_ids = _position_ids(step)[rows] if documents else None
+        loss = model(tokens, targets) if position_ids is None else model(tokens, targets, position_ids)
         if runtime is None or runtime.pipeline is None:
             loss.backward()
         if runtime is not None:
@@ -182,15 +246,17 @@ def _train(model: GPT, runtime: Any, dp_rank: int, dp: int) -> dict[str, list[fl
     return {"losses": losses, "norms": norms}
 
 
-def _reference(windowed: bool) -> dict[str, Any]:
+def _reference(windowed: bool, documents: bool = False) -> dict[str, Any]:
     with torch.device("meta"):
         model = _build(windowed)
     materialize(model, "cpu", seed=torch.initial_seed())
-    out = _train(model, None, 0, 1)
+    out = _train(model, None, 0, 1, documents)
     return {**out, "weights": full_weights(model, exclude="rope")}
 
 
-def _layout_worker(rank: int, world: int, layouts: list[tuple[dict[str, Any], bool]]) -> dict[str, Any]:
+def _layout_worker(
+    rank: int, world: int, layouts: list[tuple[dict[str, Any], bool]], documents: bool = False
+) -> dict[str, Any]:
     out = {}
     for kw, windowed in layouts:
         plan = ParallelPlan(**kw)
@@ -198,7 +264,7 @@ def _layout_worker(rank: int, world: int, layouts: list[tuple[dict[str, Any], bo
         with torch.device("meta"):
             model = _build(windowed)
         runtime = parallelize(model, plan, mesh, device="cpu")
-        got = _train(model, runtime, mesh["dp"].get_local_rank(), mesh["dp"].size())
+        got = _train(model, runtime, mesh["dp"].get_local_rank(), mesh["dp"].size(), documents)
         out[repr((kw, windowed))] = {**got, "weights": full_weights(model, exclude="rope")}
         runtime.zero.remove()
     return out
@@ -241,6 +307,28 @@ def test_every_context_parallel_layout_trains_like_one_process(world: int, layou
             name = f"{kw}, windows={windowed}"
             for rank, result in enumerate(results):
                 _compare(result[repr((kw, w))], want, f"{name}, rank {rank}")
+
+
+DOCUMENT_LAYOUTS = [
+    (dict(cp=4, zero_stage=1), False),  # all-gather: chunks of 2 tokens, documents across them
+    (dict(cp=4, zero_stage=1), True),  # the halo
+    (dict(cp=2, tp=2, zero_stage=3), True),  # sequence parallelism, parameters sharded
+    (dict(cp=2, pp=2, zero_stage=1, num_microbatches=2), False),  # each microbatch's documents
+]
+
+
+def test_packed_documents_under_context_parallelism_train_like_one_process() -> None:
+    """Every cp rank is given the whole sequences' position_ids and keeps its chunks' rotary angles; its
+    queries see only their document's keys, gathered or brought by the halo."""
+    results = run_distributed(_layout_worker, 4, DOCUMENT_LAYOUTS, True, timeout=300)
+    for windowed in (False, True):
+        want = _reference(windowed, documents=True)
+        causal = _reference(windowed)
+        assert abs(want["losses"][0] - causal["losses"][0]) > 1e-3, "the documents must change the loss"
+        for kw, w in DOCUMENT_LAYOUTS:
+            if w == windowed:
+                for rank, result in enumerate(results):
+                    _compare(result[repr((kw, w))], want, f"{kw}, windows={w}, documents, rank {rank}")
 
 
 LONG = 64

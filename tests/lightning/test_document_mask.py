@@ -1,7 +1,7 @@
 """Packed documents through Lightning (issue 34): ``TokenDataModule(document_mask=True)`` yields
 ``(inputs, targets, position_ids)`` restarting at each document, GPTModule passes the positions to the GPT, and
-every layout that takes them trains as one process does (pipeline stages get each microbatch's positions);
-context parallelism is refused by name at start-up (its split of the positions is still to come).
+every layout trains as one process does (pipeline stages get each microbatch's positions, context-parallel
+ranks their chunks' positions and their queries' documents).
 """
 
 from __future__ import annotations
@@ -43,17 +43,15 @@ def _masked(name: str, strategy: dict | None, dp: int, **extra) -> dict:
     return j
 
 
-def test_packed_documents_train_as_one_process_or_are_refused_by_name(tmp_path) -> None:
+def test_packed_documents_train_as_one_process_in_every_layout(tmp_path) -> None:
     one = fit([_masked("single", None, 1), job("single causal", None, 1, steps=4)], 1, tmp_path / "one")
     assert one["single"]["losses"] != pytest.approx(one["single causal"]["losses"], abs=1e-4)  # masks matter
     layouts = {"dp2/zero1": (dict(zero_stage=1), 2), "dp2/zero3": (dict(zero_stage=3), 2),
                "tp2+sp": (dict(tp=2, sequence_parallel=True), 1), "pp2": (dict(pp=2), 1),
                "pp2 gpipe": (dict(pp=2, schedule="gpipe"), 1),
-               "pp2 interleaved": (dict(pp=2, schedule="interleaved", virtual_stages=2), 1)}  # fmt: skip
+               "pp2 interleaved": (dict(pp=2, schedule="interleaved", virtual_stages=2), 1),
+               "cp2": (dict(cp=2), 1)}  # fmt: skip
     jobs = [_masked(name, kw, dp) for name, (kw, dp) in layouts.items()]
-    jobs.append(_masked("cp2", dict(cp=2), 1, expect_error=True))
     results = fit(jobs, 2, tmp_path / "two")
-    for name in layouts:  # pp: each microbatch's positions reach every stage's blocks
+    for name in layouts:  # pp: each microbatch's positions reach every stage's blocks; cp: each rank's chunks
         _compare(results[name], one["single"], name)
-    assert "TokenDataModule(document_mask=True) cannot run at" in results["cp2"]["error"]
-    assert "Use pp=1 and cp=1" in results["cp2"]["error"]

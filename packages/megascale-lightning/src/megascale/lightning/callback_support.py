@@ -91,14 +91,18 @@ def check_trainer_features(
 def check_packed_documents(
     what: str, module: nn.Module, dims: ParallelDims, zero_stage: int, ep: int = 1
 ) -> None:
-    """Refuse (ValueError) packed documents' ``position_ids`` (``what`` brings them) where the layout cannot
-    split them yet: context-parallel chunks, and pipeline microbatches of a model whose blocks do not take
-    them (megascale's GPT does: ``blocks_take_position_ids``)."""
+    """Refuse (ValueError) packed documents' ``position_ids`` (``what`` brings them) under pipeline parallelism
+    for a model whose blocks do not take them (megascale's GPT does: ``blocks_take_position_ids``)."""
     pipelined = [m for m in module.modules() if hasattr(m, "_megascale_pipeline")]
-    stages_take_them = all(getattr(m, "blocks_take_position_ids", False) for m in pipelined)
-    if (dims.pp > 1 and not stages_take_them) or dims.cp > 1:
+    refusing = [
+        type(m).__name__.removeprefix("Pipelined")
+        for m in pipelined
+        if not getattr(m, "blocks_take_position_ids", False)
+    ]
+    if dims.pp > 1 and refusing:
         raise ValueError(
-            f"{what} cannot run at {_layout(dims, zero_stage, ep)} yet: packed documents' position_ids are not "
-            "split into pipeline microbatches (pp) nor into context-parallel chunks (cp). Use pp=1 and cp=1 "
-            "(tp, ep and ZeRO 0-3 take them), or batches without position_ids (document_mask=False)"
+            f"{what} cannot run at {_layout(dims, zero_stage, ep)}: each pipeline stage hands its microbatch's "
+            f"position_ids to the blocks as their second input, and {refusing[0]} does not declare "
+            "blocks_take_position_ids = True (blocks called as block(x, position_ids)). Declare it, use pp=1, "
+            "or batches without position_ids (document_mask=False)"
         )

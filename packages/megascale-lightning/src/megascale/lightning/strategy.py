@@ -53,6 +53,7 @@ from typing_extensions import override
 
 from megascale.core import GPTConfig
 from megascale.core.parallel.compose import CheckpointLayout, ParallelRuntime, parallelize
+from megascale.core.parallel.cp import ContextParallel
 from megascale.core.parallel.grad_clip import SumGroup
 from megascale.core.parallel.mesh import MESH_DIMS, ParallelDims
 from megascale.core.parallel.plan import ParallelPlan
@@ -221,6 +222,7 @@ class MegaScaleStrategy(ParallelStrategy):
         self._rng_to_restore: dict[str, Any] | None = None  # dropout streams of a resumed checkpoint
         self._wait_timer: WaitTimer | None = None
         self._memory_checked = False  # the planner's memory check runs at the first training batch
+        self._context_parallels: list[ContextParallel] | None = None  # the model's, found at the first step
         self._preemption: preemption.PreemptionStop | None = None
 
     # ---- layout -------------------------------------------------------------------------------------
@@ -395,6 +397,7 @@ class MegaScaleStrategy(ParallelStrategy):
     @override
     def setup(self, trainer: Trainer) -> None:
         assert self.model is not None and self.accelerator is not None
+        self._context_parallels = None
         self.accelerator.setup(trainer)
         self.precision_plugin = to_megascale_precision(
             self.precision_plugin,
@@ -492,8 +495,23 @@ class MegaScaleStrategy(ParallelStrategy):
         assert self.model is not None and self.lightning_module is not None
         return self._forward_redirection(self.model, self.lightning_module, method, *args, **kwargs)
 
+    def _expect_documents(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Tell context parallelism whether this batch packs documents: its attention then refuses a call
+        without position_ids (a model of one's own that does not pass them on) instead of mixing documents."""
+        if self.dims.cp == 1:
+            return
+        if self._context_parallels is None:
+            assert self.model is not None
+            found = (getattr(m, "context_parallel", None) for m in self.model.modules())
+            self._context_parallels = [c for c in found if isinstance(c, ContextParallel)]
+        batch = args[0] if args else kwargs.get("batch")
+        expected = position_ids_of(batch) is not None
+        for context_parallel in self._context_parallels:
+            context_parallel.documents_expected = expected
+
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._expect_documents(args, kwargs)
         if not self._memory_checked:
             self._memory_checked = True
             batch = args[0] if args else kwargs.get("batch")
@@ -524,16 +542,19 @@ class MegaScaleStrategy(ParallelStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._expect_documents(args, kwargs)
         with self.precision_plugin.val_step_context():
             return self._redirected("validation_step", *args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._expect_documents(args, kwargs)
         with self.precision_plugin.test_step_context():
             return self._redirected("test_step", *args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._expect_documents(args, kwargs)
         with self.precision_plugin.predict_step_context():
             return self._redirected("predict_step", *args, **kwargs)
 

@@ -44,8 +44,18 @@ class ChunkedSequenceAttention(Protocol):
         self, cos: torch.Tensor, sin: torch.Tensor, local_len: int
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
+    def rope_tables_at(
+        self, cos: torch.Tensor, sin: torch.Tensor, position_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
     def attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, window: int | None
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        window: int | None,
+        position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
 
@@ -74,7 +84,8 @@ class SelfAttention(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
         """``position_ids`` (B, T): packed documents, positions restarting at 0 at each document's first token;
-        rotary angles at those positions, and each token attends only to its own document."""
+        rotary angles at those positions, and each token attends only to its own document. Under context
+        parallelism they are the whole sequences' (the tokens here, the rank's chunks)."""
         B, T, _ = q.shape
         q = q.view(B, T, -1, self.head_dim)  # (B, T, H, hd)
         k = k.view(B, T, -1, self.head_dim)  # (B, T, KV, hd)
@@ -84,19 +95,18 @@ class SelfAttention(nn.Module):
         cos, sin = self.rope.cos, self.rope.sin
         cp = self.context_parallel
         documents = None
-        if position_ids is not None:
-            if cp is not None:  # the strategy refuses this layout at start-up; a guard for direct use
-                raise ValueError(
-                    "packed documents (position_ids) under context parallelism are not supported yet"
-                )
+        if cp is not None:
+            if position_ids is None:
+                cos, sin = cp.rope_tables(cos, sin, T)
+            else:
+                cos, sin = cp.rope_tables_at(cos, sin, position_ids)
+        elif position_ids is not None:
             cos, sin = cos[position_ids], sin[position_ids]  # (B, T, hd/2)
             documents = kernels.document_ids(position_ids)
-        elif cp is not None:
-            cos, sin = cp.rope_tables(cos, sin, T)
         q = kernels.apply_rope(q, cos, sin, backend=self.rope_backend)
         k = kernels.apply_rope(k, cos, sin, backend=self.rope_backend)
         if cp is not None:
-            return cp.attention(q, k, v, window=self.window).reshape(B, T, -1)
+            return cp.attention(q, k, v, window=self.window, position_ids=position_ids).reshape(B, T, -1)
         y = kernels.attention(
             q,
             k,

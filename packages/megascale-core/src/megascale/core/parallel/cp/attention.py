@@ -11,6 +11,12 @@ Attention runs block by block over the runs of consecutive positions (``block_at
 blocks no query sees and masking only the blocks the diagonal or the window's edge cuts, so nothing quadratic
 in the sequence is kept (a dense mask over the rank's queries and all keys would be s²/cp bytes). On a GPU a
 FlexAttention block mask over the same positions is the fast path to add.
+
+Packed documents: the model passes every layer the whole sequences' ``position_ids`` (restarting at 0 at each
+document), as it passes the whole tokens. A rank takes the rotary angles at its chunks' positions in their
+documents (``rope_tables_at``) and gives ``attention`` the document ids of its queries and of the keys it holds
+or brings in, so that each query sees only its own document's keys (the halo stays what the window needs: a
+document boundary only removes keys).
 """
 
 from __future__ import annotations
@@ -21,9 +27,10 @@ from functools import lru_cache
 import torch
 from torch.distributed import ProcessGroup
 
+from megascale.core.kernels import document_ids
 from megascale.core.parallel.cp.block_attention import BlockPlan, block_attention, block_plan
 from megascale.core.parallel.cp.kv_exchange import HaloPlan, choose, exchange_halo, gather_kv
-from megascale.core.parallel.cp.sharding import positions
+from megascale.core.parallel.cp.sharding import positions, shard_sequence
 from megascale.core.parallel.wait_timer import WaitTimer, untimed
 
 __all__ = ["ContextParallel", "attention_mask"]
@@ -43,11 +50,15 @@ def _layout(local_len: int, rank: int, cp: int, window: int | None) -> tuple[Hal
     """How this rank gets its keys (the halo plan, or None: all-gather) and which blocks it computes."""
     q_pos = positions(local_len, rank, cp)
     halo = choose(local_len, cp, window)
-    if halo is None:
-        k_pos = torch.cat([positions(local_len, r, cp) for r in range(cp)])
-    else:
-        k_pos = torch.cat((halo.positions(rank), q_pos))
+    k_pos = _key_positions(local_len, rank, cp, halo)
     return halo, block_plan(tuple(q_pos.tolist()), tuple(k_pos.tolist()), window)
+
+
+def _key_positions(local_len: int, rank: int, cp: int, halo: HaloPlan | None) -> torch.Tensor:
+    """Positions in the whole sequence of the keys a rank attends over, in the order they are brought in."""
+    if halo is None:
+        return torch.cat([positions(local_len, r, cp) for r in range(cp)])
+    return torch.cat((halo.positions(rank), positions(local_len, rank, cp)))
 
 
 @dataclass(eq=False)
@@ -63,6 +74,8 @@ class ContextParallel:
     rank: int
     size: int
     wait_timer: WaitTimer = field(default=untimed)
+    # set by a trainer whose batch brings position_ids (packed documents): attention without them is refused
+    documents_expected: bool = False
 
     def positions(self, local_len: int, device: torch.device | str) -> torch.Tensor:
         return positions(local_len, self.rank, self.size, device)
@@ -79,6 +92,18 @@ class ContextParallel:
             )
         return cos[pos], sin[pos]
 
+    def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This rank's chunks of a whole-sequence tensor (``position_ids``, targets, a mask's rows)."""
+        return shard_sequence(x, self.rank, self.size, dim)
+
+    def rope_tables_at(
+        self, cos: torch.Tensor, sin: torch.Tensor, position_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Packed documents: the rows of the rotary tables at this rank's tokens' positions in their documents,
+        (B, T/cp, hd/2), from the whole sequences' ``position_ids`` (B, T)."""
+        local = self.shard(position_ids)
+        return cos[local], sin[local]
+
     @torch.compiler.disable  # collectives and a plan of Python blocks: eager inside a compiled block
     def attention(
         self,
@@ -88,9 +113,25 @@ class ContextParallel:
         *,
         window: int | None,
         scale: float | None = None,
+        position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """q (B, T/cp, H, hd), k and v (B, T/cp, KV, hd), already rotated → (B, T/cp, H, hd)."""
+        """q (B, T/cp, H, hd), k and v (B, T/cp, KV, hd), already rotated → (B, T/cp, H, hd).
+
+        ``position_ids`` (B, T), the whole sequences' (packed documents, restarting at 0 at each): every query
+        then sees only the keys of its own document."""
         local_len, kv_heads = q.shape[1], k.shape[2]
+        if position_ids is None and self.documents_expected:
+            raise ValueError(
+                "this batch packs documents (it brings position_ids), but an attention layer called "
+                "context_parallel.attention without them, so its queries would see other documents' keys: pass "
+                "position_ids=<the whole sequences' position_ids> (docs/guides/core.md, 'Context parallelism')"
+            )
+        if position_ids is not None and position_ids.shape != (q.shape[0], local_len * self.size):
+            raise ValueError(
+                f"context_parallel.attention takes the whole sequences' position_ids, (B, T) = "
+                f"{(q.shape[0], local_len * self.size)} for {local_len} local tokens × cp={self.size}; got "
+                f"{tuple(position_ids.shape)}"
+            )
         kv = torch.cat((k, v), dim=2)  # one exchange for both
         halo, blocks = _layout(local_len, self.rank, self.size, window)
         if halo is None:
@@ -100,4 +141,9 @@ class ContextParallel:
                 (exchange_halo(kv, halo, self.rank, self.group, timer=self.wait_timer), kv), dim=1
             )
         k_all, v_all = kv_all.split(kv_heads, dim=2)
-        return block_attention(q, k_all, v_all, blocks, scale)
+        documents = None
+        if position_ids is not None:
+            ids = document_ids(position_ids)
+            k_pos = _key_positions(local_len, self.rank, self.size, halo).to(ids.device)
+            documents = (self.shard(ids), ids[:, k_pos])
+        return block_attention(q, k_all, v_all, blocks, scale, documents=documents)

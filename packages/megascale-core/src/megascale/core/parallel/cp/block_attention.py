@@ -18,6 +18,10 @@ quadratic. That is what makes a rank's activation memory fall as 1/cp: a dense b
 queries and the gathered keys would be s²/cp bytes per sequence, more than the activations themselves at
 long sequences.
 
+Packed documents (``documents``: the document id of every query and every key, (B, Tq) and (B, Tk)) add one
+rule: a query sees only the keys of its own document. A block is then also skipped when no query of any row
+shares a document with any of its keys, and masked where a boundary runs through it.
+
 Grouped-query heads are handled by viewing the query heads as (kv heads × group): keys and values are never
 repeated. The reference for the values: ``torch.nn.functional.scaled_dot_product_attention`` with the mask
 built from the positions (``tests/core/test_context_parallel.py``).
@@ -89,11 +93,38 @@ def _mask(a: int, lq: int, b: int, lk: int, window: int | None, device: torch.de
     return mask
 
 
-def _blocks(plan: BlockPlan, device: torch.device) -> Iterator[tuple[slice, slice, torch.Tensor | None]]:
+Documents = tuple[torch.Tensor, torch.Tensor]  # (B, Tq) and (B, Tk) document ids of the queries and keys
+
+
+def _allowed(
+    a: int, lq: int, b: int, lk: int, kind: str, window: int | None, qs: slice, ks: slice,
+    documents: Documents | None, device: torch.device,
+) -> tuple[torch.Tensor | None, bool]:  # fmt: skip
+    """One block's boolean mask, (lq, lk) or with documents (B, lq, lk), None where every query sees every
+    key; and whether the block may be skipped (documents: no query shares one with any key)."""
+    mask = _mask(a, lq, b, lk, window, device) if kind == MASKED else None
+    if documents is None:
+        return mask, False
+    same = documents[0][:, qs].unsqueeze(-1) == documents[1][:, ks].unsqueeze(-2)  # (B, lq, lk)
+    if mask is not None:
+        same &= mask
+    if not bool(same.any()):
+        return None, True
+    return (None if bool(same.all()) else same), False
+
+
+def _blocks(
+    plan: BlockPlan, device: torch.device, documents: Documents | None = None
+) -> Iterator[tuple[slice, slice, torch.Tensor | None]]:
+    """Per computed block: query and key slices and its mask ((lq, lk), (B, 1, 1, lq, lk) with documents,
+    to broadcast over grouped heads; or None)."""
     for (qi, a, lq), pairs in zip(plan.q_runs, plan.pairs):
         for (ki, b, lk), kind in pairs:
-            mask = _mask(a, lq, b, lk, plan.window, device) if kind == MASKED else None
-            yield slice(qi, qi + lq), slice(ki, ki + lk), mask
+            qs, ks = slice(qi, qi + lq), slice(ki, ki + lk)
+            mask, skip = _allowed(a, lq, b, lk, kind, plan.window, qs, ks, documents, device)
+            if skip:
+                continue
+            yield qs, ks, (mask if mask is None or mask.dim() == 2 else mask[:, None, None])
 
 
 def _grouped(t: torch.Tensor, kv: int) -> torch.Tensor:
@@ -116,13 +147,13 @@ def _scores(qf: torch.Tensor, kf: torch.Tensor, qs: slice, ks: slice, mask: torc
 
 class _BlockAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, plan: BlockPlan, scale: float):
+    def forward(ctx, q, k, v, plan: BlockPlan, scale: float, documents: Documents | None):
         B, Tq, H, hd = q.shape
         qf, kf, vf = _grouped(q, k.shape[2]), _keys(k), _keys(v)
         out = qf.new_zeros(qf.shape)
         lse = qf.new_full(qf.shape[:-1], -math.inf)  # the running row maximum, until the end
         sums = qf.new_zeros(qf.shape[:-1])  # the running row sum of exp(score − maximum)
-        for qs, ks, mask in _blocks(plan, q.device):
+        for qs, ks, mask in _blocks(plan, q.device, documents):
             s = _scores(qf, kf, qs, ks, mask, scale)
             m_old = lse[..., qs]
             m_new = torch.maximum(m_old, s.amax(-1))
@@ -137,7 +168,7 @@ class _BlockAttention(torch.autograd.Function):
         # contiguous: (B, T, H·hd) views of it are what the output projection reads and saves, one storage
         result = out.permute(0, 3, 1, 2, 4).reshape(B, Tq, H, hd).to(q.dtype).contiguous()
         ctx.save_for_backward(q, k, v, result, lse)
-        ctx.plan, ctx.scale = plan, scale
+        ctx.plan, ctx.scale, ctx.documents = plan, scale, documents
         return result
 
     @staticmethod
@@ -150,7 +181,7 @@ class _BlockAttention(torch.autograd.Function):
         dq = torch.zeros_like(qf)
         dk = torch.zeros_like(kf)
         dv = torch.zeros_like(vf)
-        for qs, ks, mask in _blocks(ctx.plan, q.device):
+        for qs, ks, mask in _blocks(ctx.plan, q.device, ctx.documents):
             p = torch.exp(_scores(qf, kf, qs, ks, mask, ctx.scale) - lse[..., qs].unsqueeze(-1))
             g = gf[..., qs, :]
             dv[..., ks, :] += torch.matmul(p.transpose(-1, -2), g).sum(2, keepdim=True)
@@ -161,26 +192,30 @@ class _BlockAttention(torch.autograd.Function):
             )
         dq = dq.permute(0, 3, 1, 2, 4).reshape(q.shape).to(q.dtype)
         dk, dv = (t.squeeze(2).permute(0, 2, 1, 3).to(k.dtype) for t in (dk, dv))
-        return dq, dk, dv, None, None
+        return dq, dk, dv, None, None, None
 
 
 def _flash_cpu_blocks(
-    plan: BlockPlan, device: torch.device, dtype: torch.dtype
+    plan: BlockPlan, device: torch.device, dtype: torch.dtype, documents: Documents | None = None
 ) -> Iterator[tuple[slice, slice, bool, torch.Tensor | None, torch.Tensor | None]]:
-    """Per block: query and key slices, is_causal, an additive mask (or None) and the rows that see no key."""
+    """Per block: query and key slices, is_causal, an additive mask ((lq, lk) or (B, 1, lq, lk)), or None, and
+    the rows that see no key."""
     for (qi, a, lq), pairs in zip(plan.q_runs, plan.pairs):
         for (ki, b, lk), kind in pairs:
-            causal, mask, empty = False, None, None
-            if kind == MASKED:
-                if a == b and lq == lk and plan.window is None:
-                    causal = True  # the diagonal: the op's own causal mask (top-left aligned) is exact
-                else:
-                    allowed = _mask(a, lq, b, lk, plan.window, device)
-                    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(
-                        ~allowed, -math.inf
-                    )
-                    empty = ~allowed.any(-1)
-            yield slice(qi, qi + lq), slice(ki, ki + lk), causal, mask, empty
+            qs, ks = slice(qi, qi + lq), slice(ki, ki + lk)
+            if documents is None and kind == MASKED and a == b and lq == lk and plan.window is None:
+                yield qs, ks, True, None, None  # the diagonal: the op's own causal mask (top-left) is exact
+                continue
+            allowed, skip = _allowed(a, lq, b, lk, kind, plan.window, qs, ks, documents, device)
+            if skip:
+                continue
+            if allowed is None:
+                yield qs, ks, False, None, None
+                continue
+            if allowed.dim() == 3:  # (B, lq, lk): one mask for every head
+                allowed = allowed.unsqueeze(1)
+            mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, -math.inf)
+            yield qs, ks, False, mask, ~allowed.any(-1)
 
 
 class _FlashCPUBlocks(torch.autograd.Function):
@@ -189,11 +224,11 @@ class _FlashCPUBlocks(torch.autograd.Function):
     what ``_BlockAttention`` computes, at the speed of SDPA."""
 
     @staticmethod
-    def forward(ctx, q, k, v, plan: BlockPlan, scale: float):
+    def forward(ctx, q, k, v, plan: BlockPlan, scale: float, documents: Documents | None):
         qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, hd)
         out = torch.zeros(qh.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(qh.shape[:-1], -math.inf, dtype=torch.float32, device=q.device)
-        for qs, ks, causal, mask, empty in _flash_cpu_blocks(plan, q.device, q.dtype):
+        for qs, ks, causal, mask, empty in _flash_cpu_blocks(plan, q.device, q.dtype, documents):
             o, m = _FLASH_CPU(
                 qh[:, :, qs], kh[:, :, ks], vh[:, :, ks], 0.0, causal, attn_mask=mask, scale=scale
             )
@@ -206,7 +241,7 @@ class _FlashCPUBlocks(torch.autograd.Function):
             lse[:, :, qs] = merged
         result = out.transpose(1, 2).to(q.dtype).contiguous()  # (B, T, heads, hd), as _BlockAttention's
         ctx.save_for_backward(q, k, v, result, lse)
-        ctx.plan, ctx.scale = plan, scale
+        ctx.plan, ctx.scale, ctx.documents = plan, scale, documents
         return result
 
     @staticmethod
@@ -214,13 +249,13 @@ class _FlashCPUBlocks(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         qh, kh, vh, oh, gh = (t.transpose(1, 2) for t in (q, k, v, out, grad.contiguous()))
         dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (qh, kh, vh))
-        for qs, ks, causal, mask, _ in _flash_cpu_blocks(ctx.plan, q.device, q.dtype):
+        for qs, ks, causal, mask, _ in _flash_cpu_blocks(ctx.plan, q.device, q.dtype, ctx.documents):
             gq, gk, gv = _FLASH_CPU_BACKWARD(gh[:, :, qs], qh[:, :, qs], kh[:, :, ks], vh[:, :, ks], oh[:, :, qs],
                                              lse[:, :, qs], 0.0, causal, attn_mask=mask, scale=ctx.scale)  # fmt: skip
             dq[:, :, qs] += gq
             dk[:, :, ks] += gk
             dv[:, :, ks] += gv
-        return (*(t.transpose(1, 2).to(q.dtype) for t in (dq, dk, dv)), None, None)
+        return (*(t.transpose(1, 2).to(q.dtype) for t in (dq, dk, dv)), None, None, None)
 
 
 _FLASH_CPU: Any = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
@@ -237,14 +272,17 @@ def block_attention(
     scale: float | None = None,
     *,
     fused: bool = True,
+    documents: Documents | None = None,
 ) -> torch.Tensor:
     """Softmax attention of q (B, Tq, H, hd) over k, v (B, Tk, KV, hd) at the positions ``plan`` was made for
-    (``block_plan``): (B, Tq, H, hd), in q's dtype.
+    (``block_plan``): (B, Tq, H, hd), in q's dtype. ``documents``: the (B, Tq) and (B, Tk) document ids of the
+    queries and keys of packed rows; a query then sees only its own document's keys (every query must see
+    at least itself).
 
     On the CPU, with ``fused`` (the default) and torch's fused CPU flash-attention kernel present, each block
     runs through it; otherwise (other devices, for now; ``fused=False``: the reference) through the fp32
     matmuls and online softmax of ``_BlockAttention``. Both save the same tensors."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if fused and q.device.type == "cpu" and _FLASH_CPU is not None and _FLASH_CPU_BACKWARD is not None:
-        return _FlashCPUBlocks.apply(q, k, v, plan, scale)
-    return _BlockAttention.apply(q, k, v, plan, scale)
+        return _FlashCPUBlocks.apply(q, k, v, plan, scale, documents)
+    return _BlockAttention.apply(q, k, v, plan, scale, documents)
