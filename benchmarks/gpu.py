@@ -8,7 +8,8 @@ Prints one markdown table with, on this machine's GPU and torch:
   run here (SDPA with a dense mask, FlexAttention, flash-attn 2, flash-attn 4), in useful TFLOP/s (the
   (query, key) pairs the mask keeps, 4·hd FLOPs each forward, 2.5x that backward) and as a ratio of SDPA
   causal's useful rate (the target for a window: >= 0.8x); then packed documents of T/16 to T/2 tokens
-  through SDPA's masked kernel and FlexAttention's document block mask (target: >= 0.9x causal's rate);
+  through SDPA's masked kernel, FlexAttention's document block mask and flash-attn's varlen kernel (target:
+  >= 0.9x causal's rate);
 - one training step at TinyLlama-1.1B shapes (d 2048, 22 layers, 32 heads / 4 KV, FFN 5632 SwiGLU, vocab
   32000, seq 2048, micro-batch 8; fp32 weights, bf16 autocast, fused AdamW, random tokens): megascale GPT
   (sequential blocks, kernels auto), the same with a 1024-token window on every other layer and with its
@@ -339,8 +340,9 @@ def _document_rows(
     causal_rate: float | None,
 ) -> None:  # fmt: skip
     """Packed documents (issue 34): attention kept inside documents of T/16 to T/2 tokens (256 to 2048 at T
-    4096), through SDPA's masked kernel (the automatic choice) and FlexAttention's document block mask, in
-    useful TFLOP/s (the pairs inside documents) against SDPA causal's; target >= 0.9x."""
+    4096), through SDPA's dense mask, FlexAttention's document block mask (the automatic choice without
+    flash-attn) and flash-attn 2's varlen kernel (where installed, the automatic choice), in useful TFLOP/s
+    (the pairs inside documents) against SDPA causal's; target >= 0.9x."""
     from megascale.core.kernels import KernelUnavailableError, attention, document_ids
 
     bench = _load_kernel_bench()
@@ -360,7 +362,7 @@ def _document_rows(
     pairs = float((counts * (counts + 1) / 2).sum()) / B
     label = f"B{B} T{T} H{H}/{KV} hd{hd} documents"
     rates = []
-    for backend in ("sdpa", "flex"):
+    for backend in ("sdpa", "flex", "flash"):
         if budget.spent(reserve=20):
             table.add("attention", label, backend, note="skipped: time budget spent")
             continue

@@ -86,15 +86,19 @@ def test_the_halo_brings_exactly_the_keys_each_window_needs(cp: int, window: int
         assert max(plan.received(r) for r in range(cp)) <= 2 * (window - 1)
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["fused CPU kernel", "fp32 reference"])
+KERNELS = {"fused CPU kernel": dict(flex=False), "fp32 reference": dict(fused=False), "flex": dict(flex=True)}
+
+
+@pytest.mark.parametrize("kernel", list(KERNELS))
 @pytest.mark.parametrize("cp", [1, 2, 3])
 @pytest.mark.parametrize("window", [None, 1, 3, 6, 40])
 def test_block_attention_is_sdpa_with_the_positions_mask_forward_and_backward(
-    cp: int, window: int | None, fused: bool
+    cp: int, window: int | None, kernel: str
 ) -> None:
     """Every rank's layout of keys (all gathered, or the halo and its own), grouped-query heads: the blocks'
     online softmax and recomputing backward against SDPA over the dense mask built from the positions, through
-    torch's fused CPU kernel per block and through the plain fp32 reference."""
+    torch's fused CPU kernel per block, the plain fp32 reference, and FlexAttention's mask over the positions
+    (the GPU's path; eager here)."""
     local = 12  # chunks of 6
     gen = torch.Generator().manual_seed(cp * 100 + (window or 0))
     for rank in range(cp):
@@ -107,7 +111,7 @@ def test_block_attention_is_sdpa_with_the_positions_mask_forward_and_backward(
         q = torch.randn(2, local, 4, 8, generator=gen, requires_grad=True)
         k, v = (torch.randn(2, len(k_pos), 2, 8, generator=gen, requires_grad=True) for _ in range(2))
         plan = block_plan(tuple(q_pos.tolist()), tuple(k_pos.tolist()), window)
-        got = block_attention(q, k, v, plan, fused=fused)
+        got = block_attention(q, k, v, plan, **KERNELS[kernel])
         mask = attention_mask(q_pos, k_pos, window)
         want = torch.nn.functional.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, enable_gqa=True
@@ -122,11 +126,11 @@ def test_block_attention_is_sdpa_with_the_positions_mask_forward_and_backward(
         assert masked <= 2 * len(plan.q_runs) + (2 if window else 0)  # only the diagonal and window edges
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["fused CPU kernel", "fp32 reference"])
+@pytest.mark.parametrize("kernel", list(KERNELS))
 @pytest.mark.parametrize("cp", [1, 2, 3])
 @pytest.mark.parametrize("window", [None, 3, 40])
 def test_block_attention_keeps_each_query_inside_its_document(
-    cp: int, window: int | None, fused: bool
+    cp: int, window: int | None, kernel: str
 ) -> None:
     """Packed documents whose boundaries fall inside chunks, on chunk edges and (row 1) a row of one document:
     the blocks against SDPA over the dense mask (positions ∧ same document), forward and backward; blocks no
@@ -151,7 +155,7 @@ def test_block_attention_keeps_each_query_inside_its_document(
         k, v = (torch.randn(2, len(k_pos), 2, 8, generator=gen, requires_grad=True) for _ in range(2))
         plan = block_plan(tuple(q_pos.tolist()), tuple(k_pos.tolist()), window)
         documents = (ids[:, q_pos], ids[:, k_pos])
-        got = block_attention(q, k, v, plan, fused=fused, documents=documents)
+        got = block_attention(q, k, v, plan, documents=documents, **KERNELS[kernel])
         mask = attention_mask(q_pos, k_pos, window) & (
             documents[0].unsqueeze(-1) == documents[1].unsqueeze(-2)
         )
@@ -163,7 +167,7 @@ def test_block_attention_keeps_each_query_inside_its_document(
             enable_gqa=True,
         ).transpose(1, 2)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-        plain = block_attention(q, k, v, plan, fused=fused)
+        plain = block_attention(q, k, v, plan, **KERNELS[kernel])
         assert not torch.allclose(got[0], plain[0], atol=1e-3), "the documents must change row 0"
         torch.testing.assert_close(got[1], plain[1], rtol=1e-5, atol=1e-6)  # one document: no change
         dout = torch.randn(got.shape, generator=gen)

@@ -91,3 +91,66 @@ def test_position_ids_of_another_shape_are_refused() -> None:
     model = GPT(GPTConfig(**TINY_GQA_GPT))
     with pytest.raises(ValueError, match=r"position_ids must have the tokens' shape \(B, T\) = \(1, 8\)"):
         model(torch.zeros(1, 8, dtype=torch.long), position_ids=torch.zeros(1, 7, dtype=torch.long))
+
+
+class _FakeFlash:
+    """flash-attn 2's ``flash_attn_varlen_func`` as its documentation states it, in plain torch: each
+    ``cu_seqlens`` segment its own causal sequence, the window (left, 0) keys before each query."""
+
+    calls = 0
+
+    @classmethod
+    def flash_attn_varlen_func(cls, q, k, v, cu_q, cu_k, max_q, max_k, *, dropout_p, softmax_scale, causal,
+                               window_size):  # fmt: skip
+        cls.calls += 1
+        assert torch.equal(cu_q, cu_k) and cu_q.dtype == torch.int32 and causal and dropout_p == 0
+        assert max_q == int((cu_q[1:] - cu_q[:-1]).max())
+        out = []
+        for a, b in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
+            window = None if window_size[0] < 0 else window_size[0] + 1
+            seg = [t[a:b].unsqueeze(0) for t in (q, k, v)]
+            out.append(kernels.attention(*seg, window=window, scale=softmax_scale, backend="torch")[0])
+        return torch.cat(out)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_flash_varlen_cuts_the_rows_at_every_document_and_row_start(window: int | None) -> None:
+    """The cu_seqlens flash-attn's varlen kernel is given: segments at each document's start and at each row's
+    (a document never continues into the next row), built once for every layer of a microbatch."""
+    from megascale.core.kernels.attention import flash_varlen
+    from megascale.core.kernels.documents import varlen_segments
+
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 16, 4, 8, generator=gen)
+    k, v = torch.randn(2, 16, 2, 8, generator=gen), torch.randn(2, 16, 2, 8, generator=gen)
+    documents = kernels.document_ids(torch.cat([_positions(LENGTHS), _positions((9, 7))]))
+    assert varlen_segments(documents).cu_seqlens.tolist() == [0, 5, 12, 16, 25, 32]
+    assert varlen_segments(documents) is varlen_segments(documents)  # once per microbatch
+    got = flash_varlen(_FakeFlash, q, k, v, documents=documents, window=window, scale=0.3, dropout_p=0.0)
+    want = kernels.attention(q, k, v, window=window, documents=documents, scale=0.3, backend="torch")
+    torch.testing.assert_close(got, want)
+
+
+def test_what_is_built_from_a_microbatch_s_positions_is_built_once_for_every_layer() -> None:
+    from megascale.core.kernels.attention import flex_document_mask
+
+    positions = torch.cat([_positions(LENGTHS), _positions((9, 7))])
+    documents = kernels.document_ids(positions)
+    assert kernels.document_ids(positions) is documents  # every layer of the forward: the same ids
+    assert flex_document_mask(documents, 3) is flex_document_mask(documents, 3)
+    assert flex_document_mask(documents, None) is not flex_document_mask(documents, 3)
+    again = positions.clone()  # another microbatch with the same values: its own
+    assert kernels.document_ids(again) is not documents
+    positions[0, 3] = 0  # changed in place: computed again
+    assert kernels.document_ids(positions).tolist() != documents.tolist()
+
+
+def test_on_a_gpu_packed_documents_choose_flash_varlen_then_flex_never_a_dense_mask() -> None:
+    """The cases each backend is passed by for (devices aside: flash-attn and FlexAttention's compiled
+    kernels are CUDA's; their numbers against the reference are the tests above and benchmarks/gpu.py)."""
+    from megascale.core.kernels.attention import DOCUMENTS
+
+    reasons = {b.name: b.skips(DOCUMENTS) for b in kernels.attention.backends}
+    order = [name for name in reasons if reasons[name] is None]
+    assert order[:2] == ["flash", "flex"], reasons
+    assert reasons["flash4"] is not None  # it takes no mask

@@ -9,9 +9,11 @@ softmax: the reference). Window semantics, the same in every backend: query i se
 i - window < j <= i, i.e. ``window`` keys including itself.
 
 Packed documents (``documents``: (B, T) ids, equal for the tokens of one document of a row): a query sees only
-the keys of its own document, as well as the causal and window rules. That case ("documents") runs on SDPA with a
-(B, 1, T, T) boolean mask, or the torch reference; FlexAttention with a document block mask when forced
-(``backend="flex"``); the flash backends do not take it and pass it on to SDPA.
+the keys of its own document, as well as the causal and window rules. That case ("documents") runs, on a GPU,
+on flash-attn 2's varlen kernel where installed (the rows cut into documents by ``cu_seqlens``), else on
+FlexAttention with a document block mask; nothing dense in T × T. Elsewhere (and where neither runs) on SDPA
+with a (B, 1, T, T) boolean mask, or the torch reference. What each builds from the document ids is built once
+per microbatch and shared by the layers (``documents.py``); flash-attn 4 passes the case on.
 
 The automatic choice is made per case of a call (see ``registry``): full causal attention (no window, or one at
 least as long as the sequence) keeps flash-attn 2 or SDPA's fused causal kernel; a call with a window shorter
@@ -27,13 +29,19 @@ import logging
 import math
 import warnings
 from collections.abc import Callable, Iterator
-from functools import lru_cache
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from megascale.core import _optional
+from megascale.core.kernels.documents import (
+    attention_mask,
+    cached,
+    document_ids,
+    document_mask,
+    varlen_segments,
+)
 from megascale.core.kernels.registry import Probe, ProbeInputs, get_kernel
 
 __all__ = ["DOCUMENTS", "WINDOW", "attention", "attention_mask", "document_ids", "document_mask"]
@@ -76,41 +84,12 @@ def _windowed_only(case: str | None) -> str | None:
 
 
 _NO_DOCUMENTS = (
-    "packed documents run on SDPA's masked kernel or the torch reference (this backend takes no mask)"
+    "packed documents run on flash-attn 2's varlen kernel or FlexAttention (flash-attn 4 takes no mask)"
 )
 
 
-def _no_documents(case: str | None) -> str | None:
-    return _NO_DOCUMENTS if case == DOCUMENTS else None
-
-
 def _flex_cases(case: str | None) -> str | None:
-    if case == DOCUMENTS:  # its document block mask is proved against the reference on the CPU only so far
-        return "FlexAttention's document mask is not yet chosen automatically (backend='flex' runs it)"
-    return _windowed_only(case)
-
-
-def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
-    """(B, T) document ids of packed rows whose positions restart at 0 at each document's first token."""
-    return (position_ids == 0).cumsum(dim=-1)
-
-
-def document_mask(documents: torch.Tensor, window: int | None) -> torch.Tensor:
-    """(B, 1, T, T) boolean mask, True where a query (row) may attend a key (column): same document, causal and
-    within the window."""
-    same = documents.unsqueeze(-1) == documents.unsqueeze(-2)  # (B, T, T)
-    return (same & attention_mask(documents.shape[-1], window, documents.device)).unsqueeze(1)
-
-
-@lru_cache(maxsize=32)
-def attention_mask(t: int, window: int | None, device: torch.device) -> torch.Tensor:
-    """(t, t) boolean mask, True where a query (row) may attend a key (column)."""
-    i = torch.arange(t, device=device).unsqueeze(1)
-    j = torch.arange(t, device=device).unsqueeze(0)
-    mask = j <= i
-    if window is not None:
-        mask &= j > i - window
-    return mask
+    return None if case == DOCUMENTS else _windowed_only(case)
 
 
 def _check(
@@ -183,27 +162,49 @@ def _unfit(q: torch.Tensor, dropout_p: float) -> bool:
     return q.dtype not in (torch.float16, torch.bfloat16) or dropout_p > 0
 
 
-def _next_best(q, k, v, *, window: int | None, scale: float | None, dropout_p: float) -> torch.Tensor:
-    """Where a flash kernel cannot take the inputs: FlexAttention for a window (when it runs here and passed its
-    check, and no dropout is asked), else SDPA. Correct either way, only slower."""
-    if _case(q, window=window) == WINDOW and dropout_p == 0 and _flex_unavailable(q.device) is None:
-        flex = next(b for b in attention.backends if b.name == "flex")
-        if attention.verdict(flex, q.device).passed:
-            return _flex(q, k, v, window=window, scale=scale)
-    return _sdpa(q, k, v, window=window, scale=scale, dropout_p=dropout_p)
+def _next_best(q, k, v, *, window: int | None, scale: float | None, dropout_p: float,
+               documents: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """Where a flash kernel cannot take the inputs: FlexAttention for a window or packed documents (when it runs
+    here and passed its check, and no dropout is asked), else SDPA. Correct either way, only slower."""
+    case = _case(q, window=window, documents=documents)
+    if case in (WINDOW, DOCUMENTS) and dropout_p == 0 and flex_runs_here(q.device):
+        return _flex(q, k, v, window=window, scale=scale, documents=documents)
+    return _sdpa(q, k, v, window=window, scale=scale, dropout_p=dropout_p, documents=documents)
 
 
-@attention.register("flash", _flash_unavailable, skips=_no_documents)
+def flash_varlen(fa: Any, q, k, v, *, documents: torch.Tensor, window: int | None, scale: float | None,
+                 dropout_p: float) -> torch.Tensor:  # fmt: skip
+    """Packed documents through flash-attn 2's ``flash_attn_varlen_func`` (module ``fa``): each document its own
+    sequence of the flattened rows, causal, with the window; grouped-query heads native."""
+    B, T, H, hd = q.shape
+    segments = varlen_segments(documents)
+    out = fa.flash_attn_varlen_func(
+        q.reshape(B * T, H, hd),
+        k.reshape(B * T, *k.shape[2:]),
+        v.reshape(B * T, *v.shape[2:]),
+        segments.cu_seqlens,
+        segments.cu_seqlens,
+        segments.max_seqlen,
+        segments.max_seqlen,
+        dropout_p=dropout_p,
+        softmax_scale=scale,
+        causal=True,
+        window_size=(-1, -1) if window is None else (window - 1, 0),
+    )
+    return out.reshape(B, T, H, hd)
+
+
+@attention.register("flash", _flash_unavailable)
 def _flash(q, k, v, *, window: int | None = None, scale: float | None = None, dropout_p: float = 0.0,
            documents: torch.Tensor | None = None):  # fmt: skip
     _check(q, k, v, window, documents)
-    if documents is not None:
-        return _sdpa(q, k, v, window=window, scale=scale, dropout_p=dropout_p, documents=documents)
     if q.dtype not in (torch.float16, torch.bfloat16):
         # flash-attn has no fp32 kernel; fp32 runs are for debugging, so take the next-best path.
-        return _next_best(q, k, v, window=window, scale=scale, dropout_p=dropout_p)
+        return _next_best(q, k, v, window=window, scale=scale, dropout_p=dropout_p, documents=documents)
     fa = _optional.flash_attn()
     assert fa is not None
+    if documents is not None:
+        return flash_varlen(fa, q, k, v, documents=documents, window=window, scale=scale, dropout_p=dropout_p)
     return fa.flash_attn_func(
         q,
         k,
@@ -223,7 +224,7 @@ def _flash4(q, k, v, *, window: int | None = None, scale: float | None = None, d
             documents: torch.Tensor | None = None):  # fmt: skip
     _check(q, k, v, window, documents)
     if documents is not None:
-        return _sdpa(q, k, v, window=window, scale=scale, dropout_p=dropout_p, documents=documents)
+        return _next_best(q, k, v, window=window, scale=scale, dropout_p=dropout_p, documents=documents)
     if _unfit(q, dropout_p) or q.shape[3] not in _FLASH4_HEAD_DIMS:
         return _next_best(q, k, v, window=window, scale=scale, dropout_p=dropout_p)
     fa = _optional.flash_attn_cute()
@@ -266,7 +267,7 @@ def flex_block_mask(t: int, window: int | None, device: torch.device) -> Any:
 
 def flex_document_mask(documents: torch.Tensor, window: int | None) -> Any:
     """FlexAttention's block mask for packed documents (same document, causal, window): blocks wholly outside
-    a document are skipped. Built per call from the (B, T) document ids."""
+    a document are skipped. Built once per microbatch (per window) from its (B, T) document ids."""
     fa = _flex_module()
     B, T = documents.shape
 
@@ -274,7 +275,10 @@ def flex_document_mask(documents: torch.Tensor, window: int | None) -> Any:
         allowed = (kv_idx <= q_idx) & (documents[b, q_idx] == documents[b, kv_idx])
         return allowed if window is None else allowed & (q_idx - kv_idx < window)
 
-    return fa.create_block_mask(same_document, B=B, H=None, Q_LEN=T, KV_LEN=T, device=documents.device)
+    def build() -> Any:
+        return fa.create_block_mask(same_document, B=B, H=None, Q_LEN=T, KV_LEN=T, device=documents.device)
+
+    return cached(documents, ("flex block mask", window), build)
 
 
 def _flex_fn(device: torch.device) -> Callable[..., Any]:
@@ -308,6 +312,26 @@ def _cpu_backward(device: torch.device) -> Iterator[None]:
         fa._validate_device = guard
 
 
+def flex_attention_call(
+    qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, block_mask: Any, scale: float | None
+) -> torch.Tensor:
+    """FlexAttention over (B, heads, T, hd) tensors: compiled once per process on CUDA, eager (its dense
+    reference, differentiable) on the CPU, for tests; grouped-query heads native."""
+    with _cpu_backward(qh.device), warnings.catch_warnings():
+        # eager on the CPU by design (tests); the warning that it is unfused says nothing new there
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        return _flex_fn(qh.device)(
+            qh, kh, vh, block_mask=block_mask, scale=scale, enable_gqa=qh.shape[1] != kh.shape[1]
+        )
+
+
+def flex_runs_here(device: torch.device) -> bool:
+    """Whether FlexAttention is compiled on ``device`` and passed its check against the torch reference."""
+    if _flex_unavailable(device) is not None:
+        return False
+    return attention.verdict(next(b for b in attention.backends if b.name == "flex"), device).passed
+
+
 @attention.register(
     "flex", _flex_unavailable, unavailable_if_forced=_flex_unavailable_if_forced, skips=_flex_cases
 )
@@ -323,12 +347,7 @@ def _flex(q, k, v, *, window: int | None = None, scale: float | None = None, dro
     else:
         block_mask = flex_document_mask(documents, window)
     qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, hd)
-    with _cpu_backward(q.device), warnings.catch_warnings():
-        # eager on the CPU by design (tests); the warning that it is unfused says nothing new there
-        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-        out = _flex_fn(q.device)(
-            qh, kh, vh, block_mask=block_mask, scale=scale, enable_gqa=q.shape[2] != k.shape[2]
-        )
+    out = flex_attention_call(qh, kh, vh, block_mask, scale)
     return out.transpose(1, 2)  # (B, T, H, hd)
 
 

@@ -9,8 +9,8 @@ across ranks.
 
 Attention runs block by block over the runs of consecutive positions (``block_attention.py``), skipping the
 blocks no query sees and masking only the blocks the diagonal or the window's edge cuts, so nothing quadratic
-in the sequence is kept (a dense mask over the rank's queries and all keys would be s²/cp bytes). On a GPU a
-FlexAttention block mask over the same positions is the fast path to add.
+in the sequence is kept (a dense mask over the rank's queries and all keys would be s²/cp bytes). On a GPU the
+blocks are one FlexAttention call with a block mask over the same positions.
 
 Packed documents: the model passes every layer the whole sequences' ``position_ids`` (restarting at 0 at each
 document), as it passes the whole tokens. A rank takes the rotary angles at its chunks' positions in their
@@ -28,6 +28,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from megascale.core.kernels import document_ids
+from megascale.core.kernels.documents import cached
 from megascale.core.parallel.cp.block_attention import BlockPlan, block_attention, block_plan
 from megascale.core.parallel.cp.kv_exchange import HaloPlan, choose, exchange_halo, gather_kv
 from megascale.core.parallel.cp.sharding import positions, shard_sequence
@@ -92,6 +93,14 @@ class ContextParallel:
             )
         return cos[pos], sin[pos]
 
+    def _documents(
+        self, position_ids: torch.Tensor, local_len: int, halo: HaloPlan | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The document ids of this rank's queries and of the keys it attends over."""
+        ids = document_ids(position_ids)
+        k_pos = _key_positions(local_len, self.rank, self.size, halo).to(ids.device)
+        return self.shard(ids), ids[:, k_pos]
+
     def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This rank's chunks of a whole-sequence tensor (``position_ids``, targets, a mask's rows)."""
         return shard_sequence(x, self.rank, self.size, dim)
@@ -142,8 +151,9 @@ class ContextParallel:
             )
         k_all, v_all = kv_all.split(kv_heads, dim=2)
         documents = None
-        if position_ids is not None:
-            ids = document_ids(position_ids)
-            k_pos = _key_positions(local_len, self.rank, self.size, halo).to(ids.device)
-            documents = (self.shard(ids), ids[:, k_pos])
+        if position_ids is not None:  # once per microbatch, for every layer (and its block masks)
+            documents = cached(
+                position_ids, ("cp documents", self.rank, self.size, halo),
+                lambda: self._documents(position_ids, local_len, halo),
+            )  # fmt: skip
         return block_attention(q, k_all, v_all, blocks, scale, documents=documents)

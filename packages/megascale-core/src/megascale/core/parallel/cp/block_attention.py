@@ -7,10 +7,11 @@ a mask when every query sees every key, and masked only where the causal diagona
 through it (a mask of that block alone, made when needed). Blocks are merged with the online softmax of
 flash attention (Dao et al. 2022): a running maximum and sum per query row, in fp32.
 
-On the CPU each block runs through torch's fused flash-attention kernel (``_FlashCPUBlocks``: its forward
+On a GPU the blocks are one FlexAttention call (``flex_blocks.py``: the same rule as its ``mask_mod``, its block
+mask skipping the tiles no query sees). On the CPU each block runs through torch's fused flash-attention kernel (``_FlashCPUBlocks``: its forward
 returns the block's log-sum-exp, merged as above; its backward, given the merged output and log-sum-exp,
 returns exactly that block's gradients, as ring attention uses them); ``_BlockAttention`` is the reference,
-in plain fp32 matmuls, and what other devices run until their fused kernels are wired the same way.
+in plain fp32 matmuls, and what devices without either run.
 
 The backward recomputes each block's probabilities from the saved log-sum-exp, so what is saved for backward
 is q, k, v, the output and one fp32 log-sum-exp per query and head — as flash attention saves, and nothing
@@ -37,6 +38,9 @@ from typing import Any
 
 import torch
 
+from megascale.core.kernels.attention import flex_runs_here
+from megascale.core.parallel.cp.flex_blocks import flex_block_attention
+
 __all__ = ["BlockPlan", "block_attention", "block_plan", "runs"]
 
 FULL, MASKED = "full", "masked"
@@ -62,6 +66,8 @@ class BlockPlan:
     q_runs: tuple[Run, ...]
     pairs: tuple[tuple[tuple[Run, str], ...], ...]  # per query run: ((key run, FULL | MASKED), ...)
     window: int | None
+    q_pos: tuple[int, ...] = ()  # the positions it was made for (FlexAttention's mask reads them)
+    k_pos: tuple[int, ...] = ()
 
 
 @lru_cache(maxsize=64)
@@ -81,7 +87,7 @@ def block_plan(q_pos: tuple[int, ...], k_pos: tuple[int, ...], window: int | Non
             inside = last_k <= a and (window is None or b > last_q - window)
             mine.append((k, FULL if inside else MASKED))
         pairs.append(tuple(mine))
-    return BlockPlan(q_runs, tuple(pairs), window)
+    return BlockPlan(q_runs, tuple(pairs), window, q_pos, k_pos)
 
 
 def _mask(a: int, lq: int, b: int, lk: int, window: int | None, device: torch.device) -> torch.Tensor:
@@ -273,16 +279,21 @@ def block_attention(
     *,
     fused: bool = True,
     documents: Documents | None = None,
+    flex: bool | None = None,
 ) -> torch.Tensor:
     """Softmax attention of q (B, Tq, H, hd) over k, v (B, Tk, KV, hd) at the positions ``plan`` was made for
     (``block_plan``): (B, Tq, H, hd), in q's dtype. ``documents``: the (B, Tq) and (B, Tk) document ids of the
     queries and keys of packed rows; a query then sees only its own document's keys (every query must see
     at least itself).
 
+    On a GPU where FlexAttention is compiled and passed its check (``flex=None``; ``flex=True`` forces it, on
+    the CPU too: its eager reference, for tests), one FlexAttention call over every block (``flex_blocks.py``).
     On the CPU, with ``fused`` (the default) and torch's fused CPU flash-attention kernel present, each block
-    runs through it; otherwise (other devices, for now; ``fused=False``: the reference) through the fp32
-    matmuls and online softmax of ``_BlockAttention``. Both save the same tensors."""
+    runs through it; otherwise (``fused=False``: the reference) through the fp32 matmuls and online softmax of
+    ``_BlockAttention``. Both save the same tensors."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if fused and (flex if flex is not None else flex_runs_here(q.device)):
+        return flex_block_attention(q, k, v, plan.q_pos, plan.k_pos, plan.window, scale, documents)
     if fused and q.device.type == "cpu" and _FLASH_CPU is not None and _FLASH_CPU_BACKWARD is not None:
         return _FlashCPUBlocks.apply(q, k, v, plan, scale, documents)
     return _BlockAttention.apply(q, k, v, plan, scale, documents)
