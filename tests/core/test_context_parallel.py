@@ -27,6 +27,7 @@ from megascale.core import GPT, GPTConfig
 from megascale.core.parallel import ParallelPlan, clip_grad_norm_, materialize, parallelize
 from megascale.core.parallel.cp import halo_plan, positions, shard_sequence, unshard_sequence
 from megascale.core.parallel.cp.attention import attention_mask
+from megascale.core.parallel.cp.balance import SequenceLayout, balanced_layout, head_tail
 from megascale.core.parallel.cp.block_attention import block_attention, block_plan
 from megascale.core.parallel.cp.kv_exchange import choose
 from megascale.core.parallel.cp.sharding import chunk_owner
@@ -177,6 +178,38 @@ def test_block_attention_keeps_each_query_inside_its_document(
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=f"d{name}, rank {rank}")
 
 
+def _work(layout: SequenceLayout, position_ids: torch.Tensor) -> list[float]:
+    """Per rank, the (query, key) pairs its queries see in their documents."""
+    pairs = (position_ids + 1).sum(0).double()
+    return [float(pairs[layout.indices(r)].sum()) for r in range(layout.cp)]
+
+
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_packed_documents_are_dealt_to_the_ranks_by_their_work(cp: int) -> None:
+    """Documents of 256 to 2048 tokens in rows of 8192: head and tail leaves a rank with far more than the mean
+    work; the dealt layout holds every block once, T/cp tokens per rank, its heaviest rank at most 2% over the
+    mean here. Without documents (one per row) head and tail is kept: it balances causal work exactly."""
+    gen = torch.Generator().manual_seed(cp)
+    rows = []
+    for _ in range(2):
+        lengths: list[int] = []
+        while sum(lengths) < 8192:
+            lengths.append(min(int(torch.randint(256, 2049, (), generator=gen)), 8192 - sum(lengths)))
+        rows.append(torch.cat([torch.arange(n) for n in lengths]))
+    position_ids = torch.stack(rows)
+    layout = balanced_layout(position_ids, cp)
+    held = sorted(b for blocks in layout.blocks for b in blocks)
+    assert held == list(range(len(held))) and len({len(b) for b in layout.blocks}) == 1
+    assert sorted(torch.cat([layout.indices(r) for r in range(cp)]).tolist()) == list(range(8192))
+    dealt, before = _work(layout, position_ids), _work(head_tail(8192, cp), position_ids)
+    mean = sum(dealt) / cp
+    assert max(before) > 1.05 * mean and max(dealt) < 1.02 * mean, (max(before) / mean, max(dealt) / mean)
+    whole = torch.arange(8192).expand(2, -1)
+    assert balanced_layout(whole, cp) == head_tail(8192, cp)
+    x = torch.arange(8192).view(1, -1)
+    assert torch.equal(layout.shard(x, 1)[0], layout.indices(1))
+
+
 # ---- layouts against one process ------------------------------------------------------------------------
 
 
@@ -191,8 +224,9 @@ def _build(windowed: bool) -> GPT:
 
 
 # Packed documents: each row's document starts (position 0), crossing the chunk edges of cp2 and cp4 (chunks of
-# 4 and 2 tokens), a document of one token, and a row of one document; different at each step.
-DOCUMENT_STARTS = ({0, 3, 9}, {0, 7}, {0}, {0, 1, 2, 15})
+# 4 and 2 tokens), a document of one token; different at each step. Long documents late in the rows: the
+# head-and-tail chunks are unbalanced at every step, so cp2 and cp4 run dealt layouts (checked below).
+DOCUMENT_STARTS = ({0, 3, 9}, {0, 10}, {0, 12}, {0, 1, 2, 15})
 
 
 def _position_ids(step: int) -> torch.Tensor:
@@ -322,8 +356,12 @@ DOCUMENT_LAYOUTS = [
 
 
 def test_packed_documents_under_context_parallelism_train_like_one_process() -> None:
-    """Every cp rank is given the whole sequences' position_ids and keeps its chunks' rotary angles; its
-    queries see only their document's keys, gathered or brought by the halo."""
+    """Every cp rank is given the whole sequences' position_ids and keeps its blocks' rotary angles (blocks
+    dealt by the documents' work); its queries see only their document's keys, gathered or brought by the
+    halo."""
+    for step in range(STEPS):
+        for cp in (2, 4):
+            assert not balanced_layout(_position_ids(step), cp).is_head_tail, (step, cp)
     results = run_distributed(_layout_worker, 4, DOCUMENT_LAYOUTS, True, timeout=300)
     for windowed in (False, True):
         want = _reference(windowed, documents=True)

@@ -2,13 +2,15 @@
 
 - ``sharding``: two mirrored chunks per rank (balanced causal work), their positions; ``shard_sequence``
   for the data.
+- ``balance``: the blocks each rank holds in a step, head and tail or dealt by packed documents' work.
 - ``kv_exchange``: the keys/values a rank lacks, all-gathered (full attention) or only the sliding window's
   tails, point to point.
 - ``attention``: ``ContextParallel``, what an attention core calls under cp.
 - ``loss``: the whole sequence's mean loss from each rank's part.
 - ``apply``: ``apply_context_parallel`` for a megascale GPT.
 - ``user_model``: a model of your own, by its ``context_parallel_plan``.
-- ``block_attention``: attention block by block over runs of positions (nothing quadratic kept).
+- ``block_attention``: attention block by block over runs of positions (nothing quadratic kept);
+  ``flex_blocks``: the same as one FlexAttention call (the GPU's path).
 """
 
 from megascale.core.parallel.cp.apply import apply_context_parallel, check_context_parallel

@@ -3,7 +3,8 @@
 The model keeps taking whole sequences — every cp rank of a replica is given the same ones, as its data
 loader already does (ranks are sampled by their dp coordinate) — and works on its own chunks: the embedding
 keeps the rank's chunks of the token ids (a forward pre-hook), the loss those of the targets (``loss.py``,
-which also makes it the whole sequence's mean). So a Lightning module, a pipeline schedule or a loop of your
+which also makes it the whole sequence's mean). With packed documents the chunks are dealt by the step's
+documents (``balance.py``): a forward pre-hook on the model notes its ``position_ids`` for the step. So a Lightning module, a pipeline schedule or a loop of your
 own runs unchanged; only logits returned without targets are the rank's chunks (``sharding.positions`` says
 where they sit). In between, only what mixes tokens changes: every attention core gets a ``ContextParallel``
 (rotary angles at the rank's positions, the keys/values it lacks brought in); norms, MLPs and the head work
@@ -23,8 +24,8 @@ from megascale.core.model.attention import SelfAttention
 from megascale.core.model.gpt import GPT
 from megascale.core.model.moe import MoE
 from megascale.core.parallel.cp.attention import ContextParallel
+from megascale.core.parallel.cp.balance import LayoutOfStep
 from megascale.core.parallel.cp.loss import ContextParallelLoss
-from megascale.core.parallel.cp.sharding import shard_sequence
 from megascale.core.parallel.tp.comm import SequenceSplitOverMesh
 
 __all__ = ["apply_context_parallel", "check_context_parallel"]
@@ -40,10 +41,19 @@ def check_context_parallel(config: object, cp: int) -> None:
         )
 
 
-def _keep_chunks(rank: int, cp: int) -> Callable[[nn.Module, tuple[Any, ...]], tuple[Any, ...]]:
+def _keep_blocks(step: LayoutOfStep, rank: int) -> Callable[[nn.Module, tuple[Any, ...]], tuple[Any, ...]]:
     def hook(_module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
         tokens, *rest = args
-        return (shard_sequence(tokens, rank, cp), *rest)
+        return (step.layout(tokens.shape[1]).shard(tokens, rank), *rest)
+
+    return hook
+
+
+def _note_positions(step: LayoutOfStep) -> Callable[..., None]:
+    """A forward pre-hook on the model: the step's packed documents (its ``position_ids``), or none."""
+
+    def hook(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        step.position_ids = kwargs.get("position_ids", args[2] if len(args) > 2 else None)
 
     return hook
 
@@ -61,13 +71,15 @@ def apply_context_parallel(model: GPT, cp_mesh: DeviceMesh) -> GPT:
         return model
     group = cp_mesh.get_group()
     rank = cp_mesh.get_local_rank()
+    step = LayoutOfStep(cp)  # balanced by the step's packed documents, for every piece below
+    model.register_forward_pre_hook(_note_positions(step), with_kwargs=True)
     for m in model.modules():
         if isinstance(m, SelfAttention):
-            m.context_parallel = ContextParallel(group, rank, cp)
+            m.context_parallel = ContextParallel(group, rank, cp, step=step)
         if isinstance(m, MoE):  # routes whole sequences (gathered over cp), as one process does
             m.context_parallel_split = SequenceSplitOverMesh(cp_mesh, grad_scale=float(cp))
     if model.embed is not None:  # the first pipeline stage, or the whole model
-        model.embed.register_forward_pre_hook(_keep_chunks(rank, cp))
-    model.loss_fn = ContextParallelLoss(model.loss_fn, group)
+        model.embed.register_forward_pre_hook(_keep_blocks(step, rank))
+    model.loss_fn = ContextParallelLoss(model.loss_fn, group, step=step)
     model.sequence_multiple = model.sequence_multiple * 2 * cp
     return model

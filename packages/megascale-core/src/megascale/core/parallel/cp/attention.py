@@ -29,9 +29,9 @@ from torch.distributed import ProcessGroup
 
 from megascale.core.kernels import document_ids
 from megascale.core.kernels.documents import cached
+from megascale.core.parallel.cp.balance import LayoutOfStep, SequenceLayout, head_tail
 from megascale.core.parallel.cp.block_attention import BlockPlan, block_attention, block_plan
 from megascale.core.parallel.cp.kv_exchange import HaloPlan, choose, exchange_halo, gather_kv
-from megascale.core.parallel.cp.sharding import positions, shard_sequence
 from megascale.core.parallel.wait_timer import WaitTimer, untimed
 
 __all__ = ["ContextParallel", "attention_mask"]
@@ -47,19 +47,19 @@ def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None)
 
 
 @lru_cache(maxsize=64)
-def _layout(local_len: int, rank: int, cp: int, window: int | None) -> tuple[HaloPlan | None, BlockPlan]:
+def _plan(layout: SequenceLayout, rank: int, window: int | None) -> tuple[HaloPlan | None, BlockPlan]:
     """How this rank gets its keys (the halo plan, or None: all-gather) and which blocks it computes."""
-    q_pos = positions(local_len, rank, cp)
-    halo = choose(local_len, cp, window)
-    k_pos = _key_positions(local_len, rank, cp, halo)
-    return halo, block_plan(tuple(q_pos.tolist()), tuple(k_pos.tolist()), window)
+    local_len = layout.seq_len // layout.cp
+    halo = choose(local_len, layout.cp, window) if layout.is_head_tail else None
+    k_pos = _key_positions(layout, rank, halo)
+    return halo, block_plan(tuple(layout.indices(rank).tolist()), tuple(k_pos.tolist()), window)
 
 
-def _key_positions(local_len: int, rank: int, cp: int, halo: HaloPlan | None) -> torch.Tensor:
+def _key_positions(layout: SequenceLayout, rank: int, halo: HaloPlan | None) -> torch.Tensor:
     """Positions in the whole sequence of the keys a rank attends over, in the order they are brought in."""
-    if halo is None:
-        return torch.cat([positions(local_len, r, cp) for r in range(cp)])
-    return torch.cat((halo.positions(rank), positions(local_len, rank, cp)))
+    if halo is None:  # gathered in rank order
+        return torch.cat([layout.indices(r) for r in range(layout.cp)])
+    return torch.cat((halo.positions(rank), layout.indices(rank)))
 
 
 @dataclass(eq=False)
@@ -77,9 +77,17 @@ class ContextParallel:
     wait_timer: WaitTimer = field(default=untimed)
     # set by a trainer whose batch brings position_ids (packed documents): attention without them is refused
     documents_expected: bool = False
+    # the step's layout, shared with the model's embedding and loss (megascale's GPT); None: head and tail
+    step: LayoutOfStep | None = None
+
+    def layout(self, local_len: int) -> SequenceLayout:
+        """Which blocks of the whole sequence this step's ranks hold (``balance.py``)."""
+        seq_len = local_len * self.size
+        return head_tail(seq_len, self.size) if self.step is None else self.step.layout(seq_len)
 
     def positions(self, local_len: int, device: torch.device | str) -> torch.Tensor:
-        return positions(local_len, self.rank, self.size, device)
+        """Positions in the whole sequence of this rank's ``local_len`` tokens."""
+        return self.layout(local_len).indices(self.rank, device)
 
     def rope_tables(
         self, cos: torch.Tensor, sin: torch.Tensor, local_len: int
@@ -94,16 +102,18 @@ class ContextParallel:
         return cos[pos], sin[pos]
 
     def _documents(
-        self, position_ids: torch.Tensor, local_len: int, halo: HaloPlan | None
+        self, position_ids: torch.Tensor, layout: SequenceLayout, halo: HaloPlan | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The document ids of this rank's queries and of the keys it attends over."""
         ids = document_ids(position_ids)
-        k_pos = _key_positions(local_len, self.rank, self.size, halo).to(ids.device)
-        return self.shard(ids), ids[:, k_pos]
+        k_pos = _key_positions(layout, self.rank, halo).to(ids.device)
+        return layout.shard(ids, self.rank), ids[:, k_pos]
 
     def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This rank's chunks of a whole-sequence tensor (``position_ids``, targets, a mask's rows)."""
-        return shard_sequence(x, self.rank, self.size, dim)
+        if x.shape[dim] % self.size:
+            raise ValueError(f"a sequence of {x.shape[dim]} tokens does not split over cp={self.size} ranks")
+        return self.layout(x.shape[dim] // self.size).shard(x, self.rank, dim)
 
     def rope_tables_at(
         self, cos: torch.Tensor, sin: torch.Tensor, position_ids: torch.Tensor
@@ -142,7 +152,8 @@ class ContextParallel:
                 f"{tuple(position_ids.shape)}"
             )
         kv = torch.cat((k, v), dim=2)  # one exchange for both
-        halo, blocks = _layout(local_len, self.rank, self.size, window)
+        layout = self.layout(local_len)
+        halo, blocks = _plan(layout, self.rank, window)
         if halo is None:
             kv_all = gather_kv(kv, self.group, timer=self.wait_timer)
         else:
@@ -153,7 +164,7 @@ class ContextParallel:
         documents = None
         if position_ids is not None:  # once per microbatch, for every layer (and its block masks)
             documents = cached(
-                position_ids, ("cp documents", self.rank, self.size, halo),
-                lambda: self._documents(position_ids, local_len, halo),
+                position_ids, ("cp documents", self.rank, layout, halo),
+                lambda: self._documents(position_ids, layout, halo),
             )  # fmt: skip
         return block_attention(q, k_all, v_all, blocks, scale, documents=documents)

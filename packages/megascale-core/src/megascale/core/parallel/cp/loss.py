@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from megascale.core.model.gpt import NextTokenLoss
+from megascale.core.parallel.cp.balance import LayoutOfStep
 from megascale.core.parallel.cp.sharding import shard_sequence
 
 __all__ = ["ContextParallelLoss"]
@@ -31,8 +32,9 @@ class ContextParallelLoss(NextTokenLoss):
     (logits, targets) -> the mean over targets != ``ignore_index``) for a cp group; a ``NextTokenLoss``
     itself, so it stands where a GPT's loss stood."""
 
-    def __init__(self, inner: nn.Module, group: ProcessGroup) -> None:
+    def __init__(self, inner: nn.Module, group: ProcessGroup, step: LayoutOfStep | None = None) -> None:
         nn.Module.__init__(self)
+        self.step = step  # the step's layout (megascale's GPT); None: head and tail
         if isinstance(inner, NextTokenLoss):
             self.vocab_size, self.backend = inner.vocab_size, inner.backend
         self.inner = inner
@@ -44,7 +46,10 @@ class ContextParallelLoss(NextTokenLoss):
 
     def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """``logits`` of this rank's chunks (B, T/cp, V), ``targets`` of the whole sequences (B, T)."""
-        targets = shard_sequence(targets, self.rank, self.size)
+        if self.step is None:
+            targets = shard_sequence(targets, self.rank, self.size)
+        else:
+            targets = self.step.layout(targets.shape[1]).shard(targets, self.rank)
         valid = (targets != self.ignore_index).sum()
         safe = targets.reshape(-1).clone()
         safe[0] = torch.where(valid > 0, safe[0], torch.zeros_like(safe[0]))  # see the module docstring
