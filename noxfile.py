@@ -13,6 +13,7 @@
     nox -s integration  all packages together, the tests that need several (megascale-ft on MegaScaleStrategy)
     nox -s conformance  Lightning's contract: every scenario x layout against one process (``-- --seeds 50``
                         draws 50 model shapes per cell instead of 1)
+    nox -s conformance_fuzz  generated cases (``-- --cases N --seed S``), failures shrunk to their fewest features
     nox -s typecheck    mypy alone (CI runs it in the integration session, whose environment has everything)
     nox -s demo         the main job: a real training run on the embedded default data
     nox -s chaos        the chaos soak: the main job's model under megascale-ft with random faults, 30 minutes
@@ -305,6 +306,14 @@ def conformance(session: nox.Session) -> None:
     Lightning scenario under every layout against one process; docs/guides/guarantees.md is its table."""
     _install(session, "packages/megascale-core", PACKAGES["lightning"], *TEST_DEPS)
     _pytest(session, "tests/conformance")  # every cell, both tiers
+
+
+@nox.session
+def conformance_fuzz(session: nox.Session) -> None:
+    """Generated conformance cases (tests/conformance/generate.py) beyond CI's sample, failures shrunk to their
+    fewest features: ``nox -s conformance_fuzz -- --cases 200 --seed 1000`` (``--layouts all``: every layout)."""
+    _install(session, "packages/megascale-core", PACKAGES["lightning"], *TEST_DEPS)
+    session.run("python", "-m", "tests.conformance.fuzz", *session.posargs)
 
 
 @nox.session

@@ -122,12 +122,13 @@ def run(cells: list[Cell], out: Path) -> None:
             _launch(group, 1 if number == 1 else LAYOUT[group[0].layout].world, out, f"launch{number}")  # type: ignore[index]
 
 
-def _order(cell: Cell) -> tuple[int, int, int, int]:
+def _order(cell: Cell) -> tuple[int, int, int, int, str]:
     """Within a launch: plain cells before resumes, layouts in LAYOUTS order, then scenarios."""
     layouts = [layout.name for layout in LAYOUTS]
     position = layouts.index(cell.layout) if cell.layout else -1
-    scenario = [s.name for s in SCENARIOS].index(cell.scenario)
-    return (cell.saved_under is not None, position, scenario, cell.seed)
+    names = [s.name for s in SCENARIOS]
+    scenario = names.index(cell.scenario) if cell.scenario in names else len(names)  # generated cases last
+    return (cell.saved_under is not None, position, scenario, cell.seed, cell.scenario)
 
 
 def _launch(cells: list[Cell], world: int, out: Path, name: str) -> None:

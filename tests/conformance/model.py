@@ -525,6 +525,10 @@ class ConformanceModule(LightningModule):
             return
         super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
 
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
+        # zero_to_zeros: gradients kept as zero tensors between steps, not freed (set_to_none=False)
+        optimizer.zero_grad(set_to_none=not self.features.get("zero_to_zeros"))
+
     def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: Any = None,
                                     gradient_clip_algorithm: Any = None) -> None:  # fmt: skip
         if self.features.get("clip_in_module"):
@@ -553,6 +557,18 @@ class ConformanceModule(LightningModule):
         params = [p for p in self.parameters() if p.requires_grad]
         if self.features.get("sgd"):
             return torch.optim.SGD(params, lr=0.5, momentum=0.9)
+        kind = self.features.get("optimizer")
+        if kind == "nesterov":
+            return torch.optim.SGD(params, lr=0.5, momentum=0.9, nesterov=True, weight_decay=0.01)
+        if kind == "amsgrad":
+            return torch.optim.Adam(params, lr=LR, eps=EPS, amsgrad=True)
+        if kind == "groups":  # matrices decayed at the default lr, vectors undecayed at twice it (nanoGPT's)
+            matrices, vectors = [p for p in params if p.dim() >= 2], [p for p in params if p.dim() < 2]
+            groups = [
+                {"params": matrices, "weight_decay": 0.1},
+                {"params": vectors, "weight_decay": 0.0, "lr": 2 * LR},
+            ]
+            return torch.optim.AdamW(groups, lr=LR, eps=EPS)
         optimizer = torch.optim.AdamW(params, lr=LR, weight_decay=0.1, eps=EPS)
         if not self.features.get("schedulers"):
             return optimizer

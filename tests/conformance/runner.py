@@ -37,7 +37,6 @@ from tests.conformance.model import ConformanceModule
 from tests.conformance.scenarios import (
     GLOBAL_BATCH,
     LAYOUT,
-    SCENARIO,
     SEQ,
     TRAIN_SEQUENCES,
     VAL_SEQUENCES,
@@ -45,6 +44,7 @@ from tests.conformance.scenarios import (
     Layout,
     draw_shape,
 )
+from tests.conformance.scenarios import scenario as scenario_named
 
 COLLECTIVE_TIMEOUT = timedelta(seconds=60)
 DATA_SEED = 1234
@@ -112,7 +112,7 @@ def _mesh(layout: Layout) -> Any:
 
 
 def run_job(job: dict[str, Any]) -> dict[str, Any]:
-    scenario = SCENARIO[job["scenario"]]
+    scenario = scenario_named(job["scenario"])
     layout = LAYOUT[job["layout"]] if job["layout"] else None
     work = Path(job["work"])
     seed_everything(0, verbose=False)

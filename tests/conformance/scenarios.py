@@ -256,6 +256,20 @@ SCENARIOS = [
         callbacks=("read_grads_backward",),
     ),
     Scenario(
+        "manual-read-grads-after",
+        "manual optimization, one optimizer, a callback reading float(p.grad.norm()) after each batch "
+        "(generated case gen-36: it read ZeRO-2/3 and tp shards)",
+        features=dict(manual="single"),
+        callbacks=("read_grads_after",),
+    ),
+    Scenario(
+        "accumulate-ema",
+        "accumulate_grad_batches=2 and an EMA of every weight after each batch (generated case gen-4: under "
+        "ZeRO-2 it met gathered tensors between micro-batches and shards after steps)",
+        trainer=dict(accumulate_grad_batches=2, max_epochs=3),
+        callbacks=("ema",),
+    ),
+    Scenario(
         "manual-read-grads",
         "manual optimization reading float(p.grad.norm()) of every parameter between manual_backward and the "
         "step, logged, then clipping by norm with self.clip_gradients",
@@ -363,6 +377,15 @@ SCENARIOS = [
 SCENARIO = {s.name: s for s in SCENARIOS}
 
 
+def scenario(name: str) -> Scenario:
+    """A matrix scenario by name, or a generated case (``gen-<seed>``, ``generate.py``)."""
+    if name in SCENARIO:
+        return SCENARIO[name]
+    from tests.conformance import generate
+
+    return generate.case(name).scenario()
+
+
 def draw_shape(seed: int, scenario: str) -> dict[str, Any]:
     """A small random transformer: depth, width, heads, kv heads, biases (every layout can split it), and
     which parameters the "frozen" scenario freezes."""
@@ -418,6 +441,9 @@ REFUSED: dict[str, list[tuple[Any, str]]] = {
     "manual-closure": [(_pipelined, "manual optimization (automatic_optimization=False) cannot run")],
     "manual-split": [(_pipelined, "manual optimization (automatic_optimization=False) cannot run")],
     "manual-read-grads": [(_pipelined, "manual optimization (automatic_optimization=False) cannot run")],
+    "manual-read-grads-after": [
+        (_pipelined, "manual optimization (automatic_optimization=False) cannot run")
+    ],
     # a model listing no layers cannot be split into stages: said before manual optimization's own refusal
     "manual-toggle": [
         (_pipelined, "pipeline parallelism needs exactly one model offering pipeline_layers()")
@@ -480,6 +506,24 @@ def expected_refusal(scenario: str, layout: Layout) -> str | None:
 
 def expected_warning(scenario: str, layout: Layout) -> str | None:
     return _lookup(WARNED, scenario, layout)
+
+
+def expected_refusals(scenario: str, layout: Layout) -> list[str]:
+    """The words any of which the refusal of ``scenario`` under ``layout`` must contain (none: not refused);
+    a generated case may meet several of its features' refusals, in whichever order the strategy checks."""
+    if scenario in SCENARIO:
+        return [w] if (w := expected_refusal(scenario, layout)) is not None else []
+    from tests.conformance import generate
+
+    return generate.case(scenario).refusals(layout)
+
+
+def expected_warnings(scenario: str, layout: Layout) -> list[str]:
+    if scenario in SCENARIO:
+        return [w] if (w := expected_warning(scenario, layout)) is not None else []
+    from tests.conformance import generate
+
+    return generate.case(scenario).warnings(layout)
 
 
 def resume_pairs(layouts: list[Layout] | None = None) -> list[tuple[Layout, Layout]]:

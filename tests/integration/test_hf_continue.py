@@ -56,9 +56,10 @@ def test_the_hf_continue_example_trains_a_checkpoint_split_and_exports_what_tran
         },
         "model": {"pretrained": str(hf_dir)},
         "data": {"init_args": {
-            "train": {"sources": [{"urls": shards.train}], "seq_len": 128, "batch_size": 16},
+            "train": {"sources": [{"urls": shards.train}], "seq_len": 128, "batch_size": 16,
+                      "document_mask": True},  # as the example: fine-tuning keeps attention inside documents
             "val": {"sources": [{"urls": shards.val}], "seq_len": 128, "batch_size": 16, "lanes": 4,
-                    "num_workers": 0},
+                    "num_workers": 0, "document_mask": True},
         }},
     }  # fmt: skip
     (tmp_path / "override.yaml").write_text(json.dumps(override))

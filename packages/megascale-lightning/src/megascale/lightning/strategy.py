@@ -217,6 +217,9 @@ class MegaScaleStrategy(ParallelStrategy):
         self._whole_after_step = False
         self._whole_after_backward = False
         self._whole_in_manual_step = False
+        self._reshard_between_batches = False
+        self._after_step_readers: list[str] = []  # gradient readers after each batch (weight_readers.py)
+        self._batch_began = self._stepped = self._warned_unstepped = False
         self._gathered: Split = []
         self._names_before_split: prebuilt_optimizers.Names = {}  # for optimizers built before fit
         self._rng_to_restore: dict[str, Any] | None = None  # dropout streams of a resumed checkpoint
@@ -398,6 +401,7 @@ class MegaScaleStrategy(ParallelStrategy):
     def setup(self, trainer: Trainer) -> None:
         assert self.model is not None and self.accelerator is not None
         self._context_parallels = None
+        self._batch_began = self._stepped = self._warned_unstepped = False
         self.accelerator.setup(trainer)
         self.precision_plugin = to_megascale_precision(
             self.precision_plugin,
@@ -464,11 +468,17 @@ class MegaScaleStrategy(ParallelStrategy):
                     "`reads_gradients = False`)"
                 )
         after_step, after_backward, before_step, in_manual = (bool(r) and split for _, _, r in where)
+        self._after_step_readers = where[0][2]
         self._whole_after_step, self._whole_after_backward = after_step, after_backward
         self._whole_in_manual_step = in_manual
         plugin = self.precision_plugin
         if before_step and isinstance(plugin, _GlobalNormClipping):
             plugin.gather_for_readers = True
+        # ZeRO-2 keeps the parameters it gathered through an accumulation's micro-batches (plain tensors where
+        # shards stand after a step): code reading weights between batches would see both kinds
+        self._reshard_between_batches = self.runtime.zero.stage == 2 and bool(
+            weight_readers_between_steps(trainer)
+        )
         if self.runtime.zero.stage != 1:
             return
         readers = weight_readers_between_steps(trainer)
@@ -509,8 +519,27 @@ class MegaScaleStrategy(ParallelStrategy):
         for context_parallel in self._context_parallels:
             context_parallel.documents_expected = expected
 
+    def _warn_if_unstepped(self) -> None:
+        """Code reading gradients after each batch (``on_train_batch_end``) reads, after a batch that did not
+        step (accumulating, or a step skipped: seen when the next batch starts), each rank's partial sums."""
+        if (
+            self._after_step_readers
+            and self._batch_began
+            and not self._stepped
+            and not self._warned_unstepped
+        ):
+            self._warned_unstepped = True
+            rank_zero_warn(
+                f"MegaScaleStrategy: {self._after_step_readers} may read gradients after each batch; a batch "
+                "ended without an optimizer step (accumulating, or a step skipped), so they read each rank's own "
+                "partial sums (its samples, its shards, as under DDP), not the union batch's. Read them in "
+                "on_before_optimizer_step for the step's whole gradients"
+            )
+        self._batch_began, self._stepped = True, False
+
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._warn_if_unstepped()
         self._expect_documents(args, kwargs)
         if not self._memory_checked:
             self._memory_checked = True
@@ -565,6 +594,8 @@ class MegaScaleStrategy(ParallelStrategy):
         reduces once, during the last micro-batch's backward."""
         with self.runtime.no_sync():
             yield
+        if self._reshard_between_batches:  # readers between batches see the shards, as after every step
+            self.runtime.zero.reshard()
 
     @override
     def backward(
@@ -613,6 +644,7 @@ class MegaScaleStrategy(ParallelStrategy):
     def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         self._split_gathered()  # gathered after a manual_backward: the update needs its shards
         result = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._stepped = True
         self.runtime.zero.after_optimizer_step(getattr(optimizer, "_optimizer", optimizer))
         if self._whole_after_step and self.model is not None:
             self._gathered += gather_whole(self.model.parameters())

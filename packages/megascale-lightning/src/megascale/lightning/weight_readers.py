@@ -144,8 +144,6 @@ def gradient_readers_after_step(trainer: Trainer) -> list[str]:
     """Names of the callbacks and the LightningModule (automatic optimization) that may read gradients after
     the optimizer step, before the next zero_grad: those overriding ``on_train_batch_end`` or
     ``on_train_batch_start``, but Lightning's callbacks known to read none, megascale's own, and any saying
-    ``reads_gradients = False``."""
-    if not trainer.lightning_module.automatic_optimization:  # steps inside training_step: not served here
-        return []
+    ``reads_gradients = False``. Under manual optimization too: what its optimizer steps leave is read there."""
     hooks = ("on_train_batch_end", "on_train_batch_start")
     return _hook_readers(trainer, hooks, hooks, skip_known=True)

@@ -91,6 +91,9 @@ class ZeroRuntime:
         """Backward inside accumulates gradients locally; the next backward outside reduces the sums."""
         yield
 
+    def reshard(self) -> None:
+        """Parameters gathered for an accumulation's micro-batches split again into shards, as after a step."""
+
     def before_backward(self, loss: Tensor) -> Tensor:
         """``loss`` as the backward about to run should take it (stages 2/3 hook the units a forward passed
         over onto it when the backward runs inside the root's forward)."""
@@ -394,6 +397,10 @@ class _FullySharded(ZeroRuntime):
         self._gathered_inside = True
         for tree in self.units:
             tree.gather_root()
+
+    def reshard(self) -> None:
+        for tree in self.units:
+            tree.reshard_all()
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -103,6 +103,13 @@ class FSDPUnits:
                 module.unshard()
                 module.reshard()
 
+    def reshard_all(self) -> None:
+        """Every unit's and the root's parameters back to their shards (gathered ones freed)."""
+        root: nn.Module = self.root  # type: ignore[assignment]  # an FSDPModule is an nn.Module
+        for module in root.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
     def fsdp_params(self) -> list[Any]:
         """FSDP2's record (``FSDPParam``) of every parameter of the root and its units."""
         root: nn.Module = self.root  # type: ignore[assignment]  # an FSDPModule is an nn.Module
