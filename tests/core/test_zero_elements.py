@@ -9,7 +9,8 @@ Also: bytes per step equal DDP's (stage 0's) to the bucket padding; the optimize
 to a few elements (no largest-parameter bound); the next forward waits for the all-gathers through its
 pre-hooks alone (nothing waits without them); a parameter given new storage between steps still gets the
 gathered values; the state gathered whole for a checkpoint equals the
-reference optimizer's; a non-elementwise optimizer is refused by name.
+reference optimizer's, also where a parameter was not stepped since the last gather (its state still whole
+beside others' pieces); a non-elementwise optimizer is refused by name.
 
 Tolerance as in test_zero.py (same model, steps and reasoning: sums in another order, amplified by AdamW where
 a gradient element is near zero): 5e-5 for AdamW, 2e-6 for LAMB. A skipped, doubled or stale update, or a
@@ -228,3 +229,52 @@ def _refuses(rank: int, world_size: int) -> str:
 
 def test_a_non_elementwise_optimizer_is_refused_by_name() -> None:
     assert run_distributed(_refuses, 2) == ["ok", "ok"]
+
+
+class _TwoLayers(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(6, 6), torch.nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor, skip_b: bool = False) -> torch.Tensor:
+        h = self.a(x).tanh()
+        return (h if skip_b else self.b(h)).square().mean()
+
+
+def _state_gathered_twice(rank: int, world_size: int) -> dict[str, float]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.manual_seed(0)
+    ref = _TwoLayers()
+    model = copy.deepcopy(ref)
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+    zero = apply_zero([UnitTree(model, [[model.a, model.b]])], mesh["dp"], stage=1)
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=LR) for m in (model, ref))
+    zero.attach_optimizers([opt])
+    data = torch.randn(3, world_size, 4, 6, generator=torch.Generator().manual_seed(1))
+    errors = {}
+    # b is left out of the middle step (layer drop, an unused branch): its state stays whole from the first
+    # gather while a's is kept in pieces again; the second gather must take each as it is
+    for i, skip_b in enumerate((False, True, False)):
+        model(data[i, rank], skip_b).backward()
+        zero.after_backward()
+        opt.step()
+        zero.after_optimizer_step(opt)
+        opt.zero_grad()
+        ref(data[i].flatten(0, 1), skip_b).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        zero.prepare_optimizer_state(opt)
+        errors[f"state after step {i}"] = max(
+            (opt.state[p][key] - ref_opt.state[r][key]).abs().max().item()
+            for p, r in zip(model.parameters(), ref.parameters())
+            for key in ("exp_avg", "exp_avg_sq")
+        )
+    zero.wait_for_params()
+    errors["weights"] = max((p - r).abs().max().item() for p, r in zip(model.parameters(), ref.parameters()))
+    return errors
+
+
+def test_state_not_stepped_since_the_last_gather_is_gathered_as_it_is() -> None:
+    for errors in run_distributed(_state_gathered_twice, 2):
+        assert max(errors.values()) < 1e-6, errors

@@ -357,7 +357,7 @@ class ShardedOptimizerStep:
             # never stepped (frozen, unused so far: on every rank alike): no state, as on one process
             params = [p for p in self.reducer.buckets[b].params if id(p) in self._range and state.get(p)]
             for key in keys if params else ():
-                values = {id(p): state[p][key] for p in params if key in state.get(p, {})}
+                values = {id(p): self._piece_of(p, state[p][key]) for p in params if key in state[p]}
                 if len(values) != len(params):
                     raise RuntimeError(f"ZeRO-1: optimizer state {key!r} exists for some parameters only")
                 dtype = next(iter(values.values())).dtype
@@ -369,6 +369,14 @@ class ShardedOptimizerStep:
                     whole = full[offsets[id(p)] : offsets[id(p)] + shape.numel()].view(shape).clone()
                     state[p][key] = _like(p, whole)
         self._whole = True
+
+    def _piece_of(self, p: Tensor, value: Tensor) -> Tensor:
+        """This rank's piece of ``p``'s state ``value``: kept as a piece since the last step, or whole still
+        (gathered or loaded, and ``p`` not stepped since: layer drop, an unused branch)."""
+        start, stop = self._range[id(p)]
+        if _is_piece(value) and value.numel() == stop - start:
+            return value  # (a whole 1-D parameter held entirely by this rank is its own piece)
+        return local(value).reshape(-1)[start:stop]
 
     def remove(self) -> None:
         """Remove the hooks (waits for gathers in flight first)."""
