@@ -18,7 +18,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tests.conformance.scenarios import LAYOUTS, Layout, Scenario, expected_refusal, expected_warning
+from tests.conformance.scenarios import (
+    LAYOUTS,
+    Layout,
+    Scenario,
+    draw_shape,
+    expected_refusal,
+    expected_warning,
+)
 
 KEEP = 0.3
 PREFIX = "gen-"
@@ -86,7 +93,12 @@ FEATURES = (
     Feature("saves", "plain", saves=True),
     Feature("three-epochs", "plain", trainer=dict(max_epochs=3)),
 )
-EXCLUSIVE = ({"accumulate-2", "accumulate-3"}, {"clip-norm", "clip-value"})
+# what cannot go together, on one process too: LR schedulers made before BaseFinetuning adds a param group
+EXCLUSIVE = ({"accumulate-2", "accumulate-3"}, {"clip-norm", "clip-value"}, {"schedulers", "finetuning"})
+# two optimizers by hand, the blocks' and the rest's: where the model's shape freezes the embedding and the
+# head's norm, tying the head to the embedding leaves the rest's optimizer nothing to step (on one process too)
+TWO_OPTIMIZERS = ("manual-two", "manual-toggle")
+REST_FROZEN = {"embed.", "head.norm"}
 # what features warn about together (under every layout): (one of these, and this one, the warning's words):
 # a batch that does not step leaves each rank's partial sums where on_train_batch_end reads them
 UNSTEPPED = {"accumulate-2", "accumulate-3", "skip-steps", "manual-accumulate", "manual-closure"}
@@ -122,7 +134,7 @@ class Case:
             self.name, self.describe(), features=features, trainer=trainer,
             callbacks=tuple(c for part in parts for c in part.callbacks),
             validate=any(p.validate for p in parts), saves=any(p.saves for p in parts),
-            bf16=any(p.bf16 for p in parts),
+            bf16=any(p.bf16 for p in parts), shape_of=f"{PREFIX}{self.seed}",  # shrunk: the same model
         )  # fmt: skip
 
     def shrunk(self, kept: int) -> Case:
@@ -141,6 +153,12 @@ class Case:
         return alone + [words for any_of, this, words in WARNED_TOGETHER if names & any_of and this in names]
 
 
+def _rest_frozen(way: Feature, drawn: list[Feature], seed: int) -> bool:
+    if way.name not in TWO_OPTIMIZERS or all(d.name != "frozen" for d in drawn):
+        return False
+    return set(draw_shape(0, f"{PREFIX}{seed}")["frozen"]) >= REST_FROZEN  # (generated cells: seed 0)
+
+
 def draw(seed: int) -> Case:
     """The case of ``seed``: a way of optimizing and the features it takes, each kept with probability KEEP."""
     rng = random.Random(f"conformance-case/{seed}")
@@ -152,6 +170,8 @@ def draw(seed: int) -> Case:
         if rng.random() >= KEEP:
             continue
         if any(feature.name in group and any(d.name in group for d in drawn) for group in EXCLUSIVE):
+            continue
+        if feature.name == "tied" and _rest_frozen(way, drawn, seed):
             continue
         drawn.append(feature)
     return Case(seed, way, tuple(drawn))

@@ -117,7 +117,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     work = Path(job["work"])
     seed_everything(0, verbose=False)
     features = {**scenario.features, "moe": True} if job.get("moe") else scenario.features
-    module = ConformanceModule(draw_shape(job["seed"], scenario.name), features)
+    module = ConformanceModule(draw_shape(job["seed"], scenario.shape_of or scenario.name), features)
     recorder = Recorder()
     callbacks = [recorder, *make_callbacks(scenario.callbacks)]
     if scenario.saves:

@@ -104,6 +104,9 @@ class Scenario:
     whole_samples_only: bool = False
     strategy: dict[str, Any] = field(default_factory=dict)  # MegaScaleStrategy arguments besides the layout's
     one_stage_only: bool = False  # reads a layer that only one pipeline stage holds
+    shape_of: str = (
+        ""  # the name the model's shape is drawn for (default: this one; a shrunk case: its case's)
+    )
 
     def runs_under(self, layout: Layout) -> bool:
         if self.tp_only and layout.tp == 1:

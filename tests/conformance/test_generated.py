@@ -74,3 +74,20 @@ def test_the_generator_draws_every_feature_and_way_and_is_reproducible() -> None
     smaller = list(generate.smaller(cases[7]))
     assert len(smaller) == len(cases[7].features)
     assert all(generate.case(s.name).features == s.features for s in smaller)
+
+
+def test_drawn_cases_are_valid_on_one_process_and_shrunk_ones_train_the_same_model() -> None:
+    from tests.conformance.model import ConformanceModule
+    from tests.conformance.scenarios import draw_shape
+
+    for seed in range(1000):
+        case = generate.draw(seed)
+        names = {f.name for f in case.features}
+        assert not {"schedulers", "finetuning"} <= names, case.describe()
+        scenario = case.scenario()
+        if scenario.features.get("manual"):  # each optimizer has something to step
+            module = ConformanceModule(draw_shape(0, scenario.shape_of), scenario.features)
+            module.configure_model()
+            module.configure_optimizers()
+    case = generate.draw(125)
+    assert generate.case(f"{case.name}-1").scenario().shape_of == case.scenario().shape_of == case.name
