@@ -162,6 +162,13 @@ SCENARIOS = [
         trainer=dict(max_epochs=3),
     ),
     Scenario(
+        "layerdrop-zeroed",
+        "LayerDrop with gradients zeroed, not freed (optimizer_zero_grad with set_to_none=False): a skipped "
+        "block's zero gradients are stepped",
+        features=dict(layerdrop=True, zero_to_zeros=True),
+        trainer=dict(max_epochs=3),
+    ),
+    Scenario(
         "layerdrop-accumulate",
         "accumulate_grad_batches=2 with LayerDrop by batch: a block skipped in one micro-batch runs in the other",
         features=dict(layerdrop="batch"),
