@@ -23,12 +23,6 @@ KNOWN = {
         "gen-16-a: manual-two + tied, read-grads-after",
         "two manual optimizers stepping a tied embedding under ZeRO-2: the gradients read after the batch differ",
     ),
-    "gen-58-s0-dp2_zero2": (
-        "gen-58-23: sgd + accumulate-2, skip-steps, log-sum",
-        "no step ever runs; the checkpoint's optimizer state holds zero momentum buffers one process never made "
-        "(torch's get_optimizer_state_dict initializes empty states)",
-    ),
-    "gen-58-s0-dp2_zero3": ("gen-58-23: sgd + accumulate-2, skip-steps, log-sum", "as under ZeRO-2"),
 }
 
 

@@ -11,6 +11,8 @@ same fit with and without that save, in one process group: the weights must be e
 from __future__ import annotations
 
 import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tests.lightning._launch import fit
 from tests.lightning.test_own_module import own_job
@@ -57,6 +59,12 @@ def test_a_fit_resumed_from_a_checkpoint_before_the_first_step_trains_as_the_run
                 f"{name}: {key} differs by {diff:.2e} after resuming from before the first step"
             )
         assert results[f"{name} resumed"]["losses"] == pytest.approx(results[name]["losses"], abs=TOL)
+        # and it holds, converted as a user would, no optimizer state: one process's has none before a step
+        converted = tmp_path / f"start-{name}.pt"
+        dcp_to_torch_save(tmp_path / f"start-{name}", converted)
+        saved = torch.load(converted, weights_only=True)["optimizer_0"]  # DCP's flattened keys
+        made_up = [key for key in saved if key.startswith("state.")]
+        assert any(key.startswith("param_groups.") for key in saved) and not made_up, f"{name}: {made_up[:3]}"
 
 
 def test_a_last_checkpoint_linked_under_a_new_name_each_time_replaces_the_old_link(tmp_path):

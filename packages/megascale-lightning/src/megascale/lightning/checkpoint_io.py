@@ -90,16 +90,26 @@ def is_checkpoint(path: str | Path) -> bool:
 
 
 def _states(
-    model: nn.Module, optimizers: Sequence[Optimizer], before_optimizer_state: Callable[[Optimizer], None]
+    model: nn.Module,
+    optimizers: Sequence[Optimizer],
+    before_optimizer_state: Callable[[Optimizer], None],
+    unstepped: Sequence[int] = (),
 ) -> dict[str, Any]:
     state: dict[str, Any] = {MODEL_KEY: get_model_state_dict(model)}
     for i, optimizer in enumerate(optimizers):
         before_optimizer_state(optimizer)
         try:
-            state[f"optimizer_{i}"] = get_optimizer_state_dict(model, optimizer, options=_options(True))
+            optimizer_state = get_optimizer_state_dict(model, optimizer, options=_options(True))
         except NotImplementedError as error:  # torch's message speaks of flattening, not of the optimizer
             raise one_file_checkpoint.unwritable_state(optimizer, error) from error
+        if i in unstepped:  # the state DCP just made up (zero buffers) is none a run holds: not written
+            optimizer_state = _without_state(optimizer_state)
+        state[f"optimizer_{i}"] = optimizer_state
     return state
+
+
+def _without_state(optimizer_state: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in optimizer_state.items() if not key.startswith("state.")}
 
 
 @contextmanager
@@ -177,9 +187,10 @@ def save(
             raise FileExistsError(f"{path} exists and is not a megascale checkpoint: not overwriting it")
         path.mkdir(parents=True, exist_ok=True)
     barrier()
-    lightning_state = {**lightning_state, UNSTEPPED_KEY: _unstepped(optimizers)}
+    unstepped = _unstepped(optimizers)
+    lightning_state = {**lightning_state, UNSTEPPED_KEY: unstepped}
     with _no_new_optimizer_state(optimizers):
-        dcp.save(_states(model, optimizers, before_optimizer_state), checkpoint_id=path)
+        dcp.save(_states(model, optimizers, before_optimizer_state, unstepped), checkpoint_id=path)
     if is_global_zero:
         # written last: a directory without meta.pt is an incomplete checkpoint (is_checkpoint is False)
         tmp = path / (META_FILE + ".tmp")
@@ -219,8 +230,14 @@ def load(
     state = _states(model, optimizers, before_optimizer_state)
     if not optimizers:
         state = {MODEL_KEY: state[MODEL_KEY]}
+    # an optimizer no rank had stepped was saved without state; the state its template made up is set
+    # (set_optimizer_state_dict expects it) and dropped again (_forget_unstepped)
+    made_up = {f"optimizer_{i}": state[f"optimizer_{i}"] for i in meta.get(UNSTEPPED_KEY, ())}
+    state.update({key: _without_state(value) for key, value in made_up.items()})
     _refuse_unloadable(path, state, meta.get(LAYOUT_KEY), layout)
     dcp.load(state, checkpoint_id=path)
+    for key, template in made_up.items():
+        state[key] = {**template, **state[key]}
     apply_states(model, optimizers, state, strict=strict, holds_all_states=holds_all_states)
     _forget_unstepped(optimizers, meta)
     return meta
