@@ -29,6 +29,7 @@ class PipelineLoop:
     def __init__(self, pipeline: Any, model: nn.Module) -> None:
         self.pipeline, self.model = pipeline, model
         self._set_aside: list[tuple[Tensor, Tensor]] = []
+        self._left: list[tuple[Tensor, Tensor]] = []
 
     def _take_gradients(self) -> list[tuple[Tensor, Tensor]]:
         taken = [(p, p.grad) for p in self.model.parameters() if p.grad is not None]
@@ -50,7 +51,16 @@ class PipelineLoop:
 
     def restore_gradients(self) -> None:
         """In Lightning's backward: the gradients the schedule computed, added to what zero_grad left."""
+        self._left = [(p, p.grad) for p in self.model.parameters() if p.grad is not None]
         for param, grad in self._set_aside:
             left = param.grad  # None (freed), zeros, or a hook's that keeps them: one process adds to it too
             param.grad = grad if left is None else left.add_(grad)
         self._set_aside = []
+
+    def keep_what_zero_grad_left(self) -> None:
+        """After the reduction: ZeRO-2/3 frees the gradient of a parameter no rank used where it had none when
+        the schedule began (it had not: the schedule starts from none); one zero_grad left (zeroed) keeps it."""
+        for param, grad in self._left:
+            if param.grad is None:
+                param.grad = grad
+        self._left = []

@@ -616,6 +616,8 @@ class MegaScaleStrategy(ParallelStrategy):
             closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
             self._pipeline_loop.restore_gradients()  # the schedule ran backward inside training_step
         self.post_backward(closure_loss)
+        if self._pipeline_loop is not None:
+            self._pipeline_loop.keep_what_zero_grad_left()
         manual = self._whole_in_manual_step and not module.automatic_optimization
         if manual or self._whole_after_backward:
             self._gathered += gather_whole(module.parameters())
