@@ -32,7 +32,9 @@ class PipelineLoop:
         self._left: list[tuple[Tensor, Tensor]] = []
 
     def _take_gradients(self) -> list[tuple[Tensor, Tensor]]:
-        taken = [(p, p.grad) for p in self.model.parameters() if p.grad is not None]
+        taken: list[tuple[Tensor, Tensor]] = [
+            (p, grad) for p in self.model.parameters() if (grad := p.grad) is not None
+        ]
         for param, _ in taken:
             param.grad = None
         return taken
@@ -51,7 +53,7 @@ class PipelineLoop:
 
     def restore_gradients(self) -> None:
         """In Lightning's backward: the gradients the schedule computed, added to what zero_grad left."""
-        self._left = [(p, p.grad) for p in self.model.parameters() if p.grad is not None]
+        self._left = [(p, grad) for p in self.model.parameters() if (grad := p.grad) is not None]
         for param, grad in self._set_aside:
             left = param.grad  # None (freed), zeros, or a hook's that keeps them: one process adds to it too
             param.grad = grad if left is None else left.add_(grad)
