@@ -30,6 +30,8 @@ def judge(cell: matrix.Cell, out: Path) -> Outcome:
     assert want["status"] == "ok", (
         f"the one-process reference failed: {want.get('error')}\n{want.get('rank_errors', {})}"
     )
+    # "not run" (its launch broke before it), "killed its launch", "missing": it neither ran nor was refused
+    assert got["status"] in ("ok", "error"), f"{got['status']}: {got.get('error')}"
     refusals = [] if cell.saved_under else expected_refusals(cell.scenario, layout)
     if refusals:
         assert got["status"] == "error", f"expected a refusal naming {refusals[0]!r}; the cell ran"

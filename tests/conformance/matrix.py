@@ -133,12 +133,23 @@ def _order(cell: Cell) -> tuple[int, int, int, int, str]:
 
 def _launch(cells: list[Cell], world: int, out: Path, name: str) -> None:
     """One torchrun launch for ``cells``; a cell that leaves the ranks out of step (one raised while the others
-    wait in a collective) ends it, and the cells after it run in a fresh launch."""
-    for attempt in range(4):
-        _launch_once(cells, world, out, f"{name}" if attempt == 0 else f"{name}.{attempt}")
-        cells = [c for c in cells if result(c, out)["status"] in ("not run", "missing")]
-        if not cells:
-            return
+    wait in a collective) ends it, and the cells after it run in a fresh launch. A launch that dies in its first
+    cell (no result: it would again) has that cell recorded as having killed it, and the rest go on without it;
+    three such launches in a row mean the launch itself is broken, and what is left is recorded so."""
+    attempt, deaths = 0, 0
+    while cells:
+        _launch_once(cells, world, out, name if attempt == 0 else f"{name}.{attempt}")
+        left = [c for c in cells if result(c, out)["status"] in ("not run", "missing")]
+        if left and left[0] == cells[0]:
+            deaths += 1
+            dead = left if deaths == 3 else left[:1]
+            why = result(left[0], out)["error"]
+            for cell in dead:
+                torch.save({"status": "killed its launch", "error": why}, out / f"{cell.id}.pt")
+            left = left[len(dead) :]
+        else:
+            deaths = 0
+        cells, attempt = left, attempt + 1
 
 
 def _launch_once(cells: list[Cell], world: int, out: Path, name: str) -> None:
