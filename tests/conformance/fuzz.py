@@ -52,7 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="the first case's seed")
     parser.add_argument("--layouts", default="2", help="layouts per case (world-2 ones), or 'all'")
     parser.add_argument("--no-shrink", action="store_true")
-    parser.add_argument("--out", type=Path, help="keep the launches' results and logs here (default: a temporary folder)")
+    parser.add_argument(
+        "--out", type=Path, help="keep the launches' results and logs here (default: a temporary folder)"
+    )
     args = parser.parse_args(argv)
     per_case = None if args.layouts == "all" else int(args.layouts)
     cases = [generate.draw(seed) for seed in range(args.seed, args.seed + args.cases)]
