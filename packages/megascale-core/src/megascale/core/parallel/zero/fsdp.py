@@ -122,6 +122,32 @@ class FSDPUnits:
         self.root.unshard()
 
 
+def _reduce_in_one_dtype(param_group: Any) -> None:
+    """Under accumulation with ``param_dtype`` below ``reduce_dtype``, a gradient FSDP2 kept from a no-sync
+    micro-batch is in ``reduce_dtype``; one first made by the reducing micro-batch (a layer the earlier ones
+    skipped), and the zeros FSDP2 reduce-scatters for an unused parameter, in ``param_dtype``. One unit holding
+    both failed with "FSDP reduce-scatter expects uniform gradient dtype". The latter are cast up first (the
+    reduce-scatter casts them to ``reduce_dtype`` anyway): numerically the same."""
+    post_backward = param_group.post_backward  # FSDP2 has no hook before it; it is called by attribute
+
+    def upcast_then_post_backward(*args: Any) -> Any:
+        gathered = [fp for fp in param_group.fsdp_params if hasattr(fp, "_unsharded_param")]
+        if param_group.reduce_grads and any(fp.unsharded_accumulated_grad is not None for fp in gathered):
+            for fsdp_param in gathered:
+                param = fsdp_param._unsharded_param
+                if fsdp_param.unsharded_accumulated_grad is not None or fsdp_param.reduce_dtype is None:
+                    continue
+                if param.grad is not None:
+                    fsdp_param.to_accumulated_grad_if_needed()
+                elif param_group.reduce_scatter_unused_params and param.requires_grad:
+                    fsdp_param.unsharded_accumulated_grad = torch.zeros_like(
+                        param, dtype=fsdp_param.reduce_dtype
+                    )
+        return post_backward(*args)
+
+    param_group.post_backward = upcast_then_post_backward
+
+
 def _bytes(modules: list[nn.Module]) -> int:
     return sum(p.numel() * p.element_size() for m in modules for p in m.parameters())
 
@@ -196,6 +222,8 @@ def apply_fsdp(
         )
         sharded.append(out[0])
     top = fully_shard(root, **kwargs(cast_root_inputs))
+    for param_group in {id(g): g for g in fsdp_param_groups(root)}.values():  # a unit's modules share one
+        _reduce_in_one_dtype(param_group)
     if not sharded:
         sharded = [top]
     if prefetch and len(sharded) > 1:
