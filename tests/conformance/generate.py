@@ -145,7 +145,12 @@ class Case:
 
     def refusals(self, layout: Layout) -> list[str]:
         """The words of every refusal the case's features meet under ``layout`` (any may come first)."""
-        return [w for s in self._matrix_scenarios() if (w := expected_refusal(s, layout)) is not None]
+        alone = [w for s in self._matrix_scenarios() if (w := expected_refusal(s, layout)) is not None]
+        names = {f.name for f in self.features}
+        shape = draw_shape(0, f"{PREFIX}{self.seed}")  # (generated cells: seed 0)
+        if {"frozen", "finetuning"} <= names and "embed." in shape["frozen"]:  # the first stage frozen whole
+            alone += [w for w in [expected_refusal("finetuning-frozen-embedding", layout)] if w is not None]
+        return alone
 
     def warnings(self, layout: Layout) -> list[str]:
         alone = [w for s in self._matrix_scenarios() if (w := expected_warning(s, layout)) is not None]
@@ -157,6 +162,13 @@ def _rest_frozen(way: Feature, drawn: list[Feature], seed: int) -> bool:
     if way.name not in TWO_OPTIMIZERS or all(d.name != "frozen" for d in drawn):
         return False
     return set(draw_shape(0, f"{PREFIX}{seed}")["frozen"]) >= REST_FROZEN  # (generated cells: seed 0)
+
+
+def _all_frozen(drawn: list[Feature], seed: int) -> bool:
+    """BaseFinetuning freezes the blocks: with the shape freezing the embedding and the head's norm, and the
+    head tied to the embedding, the loss reaches no trainable parameter (one process fails too)."""
+    names = {d.name for d in drawn}
+    return {"frozen", "tied"} <= names and set(draw_shape(0, f"{PREFIX}{seed}")["frozen"]) >= REST_FROZEN
 
 
 def draw(seed: int) -> Case:
@@ -172,6 +184,8 @@ def draw(seed: int) -> Case:
         if any(feature.name in group and any(d.name in group for d in drawn) for group in EXCLUSIVE):
             continue
         if feature.name == "tied" and _rest_frozen(way, drawn, seed):
+            continue
+        if feature.name == "finetuning" and _all_frozen(drawn, seed):
             continue
         drawn.append(feature)
     return Case(seed, way, tuple(drawn))

@@ -138,6 +138,22 @@ SCENARIOS = [
         callbacks=("finetune",),
     ),
     Scenario(
+        "finetuning-validation",
+        "BaseFinetuning with validation every batch: the blocks unfrozen after a validation join the optimizer "
+        "as the parameters it steps, not as the copies the validation gathered",
+        features=dict(eager=True, optimizer="groups"),
+        trainer=dict(val_check_interval=1),
+        validate=True,
+        callbacks=("finetune",),
+    ),
+    Scenario(
+        "finetuning-frozen-embedding",
+        "BaseFinetuning with the embedding frozen too: a first pipeline stage has nothing to optimize until "
+        "epoch 1, and its configure_optimizers raises on that stage only",
+        features=dict(eager=True, frozen=("embed.",)),
+        callbacks=("finetune",),
+    ),
+    Scenario(
         "add-param-group",
         "parameters frozen from the start join the optimizer mid-epoch (step 3)",
         features=dict(frozen=("head.norm",)),
@@ -299,6 +315,24 @@ SCENARIOS = [
         features=dict(mask_buffer="cpu"),
     ),
     Scenario("bf16", "bf16-mixed (SGD with momentum)", features=dict(sgd=True), bf16=True),
+    Scenario(
+        "bf16-validation",
+        "bf16-mixed with validation every batch: the weights read after it are the fp32 ones the optimizer "
+        "steps, not the bf16 copies a validation gathered",
+        features=dict(sgd=True),
+        trainer=dict(val_check_interval=1),
+        validate=True,
+        bf16=True,
+        shape_of="gen-483",  # where rounding the weights to bf16 moves them beyond the tolerance
+    ),
+    Scenario(
+        "bf16-accumulate-unused",
+        "bf16-mixed, accumulating 2 batches, with LayerDrop and a parameter no forward reads: gradients kept "
+        "in fp32 between micro-batches reduced beside fresh bf16 ones",
+        features=dict(sgd=True, layerdrop=True, unused=True),
+        trainer=dict(accumulate_grad_batches=2),
+        bf16=True,
+    ),
     Scenario(
         "validation",
         "validation every batch mid-epoch (val_check_interval=1)",
@@ -477,6 +511,7 @@ REFUSED: dict[str, list[tuple[Any, str]]] = {
         ),
     ],
     "tied": [(_pipelined, "which different pipeline stages hold (tied weights)")],
+    "finetuning-frozen-embedding": [(_pipelined, "configure_optimizers raised on rank 0 (pipeline stage 0)")],
     "documents-unpassed": [(_context_parallel, "called context_parallel.attention without them")],
     "model-parallel-module": [
         (_pipelined, "the model applied fully_shard itself, and pp > 1"),

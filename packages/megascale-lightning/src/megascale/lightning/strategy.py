@@ -65,6 +65,7 @@ from megascale.lightning.memory_check import layout_memory_warning
 from megascale.lightning.module import position_ids_of
 from megascale.lightning.pipeline_loop import PipelineLoop
 from megascale.lightning.precision import _GlobalNormClipping, to_megascale_precision
+from megascale.lightning.raised_together import raised_together
 from megascale.lightning.stage_values import check_same_on_every_stage
 from megascale.lightning.weight_readers import (
     gradient_readers,
@@ -427,7 +428,9 @@ class MegaScaleStrategy(ParallelStrategy):
             check_trainer_features(
                 trainer, self.lightning_module, self.dims, self.zero_stage, self.plan.ep, pp_group
             )
-            self.setup_optimizers(trainer)
+            raised_together(
+                "configure_optimizers", lambda: self.setup_optimizers(trainer), *self._stage_said()
+            )
             moved = prebuilt_optimizers.point_at_split_parameters(
                 self._stepping_optimizers, self.model, self._names_before_split
             )
@@ -442,6 +445,17 @@ class MegaScaleStrategy(ParallelStrategy):
             self._serve_readers(trainer)
         self._names_before_split = {}  # the parameters from before the split: no longer held
         self.setup_precision_plugin()
+
+    def _stage_said(self) -> tuple[str, str]:
+        """Where this rank is, and what a user hook raising on some stages only most likely means."""
+        if self.dims.pp == 1:
+            return f"rank {self.global_rank}", ""
+        stage = self.device_mesh["pp"].get_local_rank()
+        return f"rank {self.global_rank} (pipeline stage {stage})", (
+            "; under pipeline parallelism configure_optimizers sees only its stage's parameters (a stage "
+            "whose parameters are all frozen gets none): give the optimizer every parameter, frozen ones are "
+            "not stepped"
+        )
 
     def _serve_readers(self, trainer: Trainer) -> None:
         """User code that reads weights between steps or gradients (EMA callbacks, logged gradient norms, manual
@@ -573,7 +587,12 @@ class MegaScaleStrategy(ParallelStrategy):
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         self._expect_documents(args, kwargs)
         with self.precision_plugin.val_step_context():
-            return self._redirected("validation_step", *args, **kwargs)
+            out = self._redirected("validation_step", *args, **kwargs)
+        if (
+            self._reshard_between_batches
+        ):  # readers in on_validation_batch_end see the shards, as after a step
+            self.runtime.zero.reshard()
+        return out
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -662,6 +681,25 @@ class MegaScaleStrategy(ParallelStrategy):
     @override
     def on_validation_start(self) -> None:
         self._wait_for_params()
+
+    def _reshard_after_evaluation(self) -> None:
+        """ZeRO-2 keeps what a forward gathered until a backward frees it: after an evaluation, code reading the
+        weights (the next batch's callbacks, fit's caller) would see the gathered compute copies (bf16 under
+        mixed precision), not the fp32 shards the optimizer steps."""
+        if self._runtime is not None:
+            self._runtime.zero.reshard()
+
+    @override
+    def on_validation_end(self) -> None:
+        self._reshard_after_evaluation()
+
+    @override
+    def on_test_end(self) -> None:
+        self._reshard_after_evaluation()
+
+    @override
+    def on_predict_end(self) -> None:
+        self._reshard_after_evaluation()
 
     # ---- collectives ------------------------------------------------------------------------------
 
