@@ -19,6 +19,10 @@ fp32. SGD with momentum (lr 0.5) carries that into the weights linearly. Observe
 2.5% per tensor (1.2% overall) for ZeRO-0/1, tp and pp, ≤ 13.5% for ZeRO-2/3 (a LayerNorm weight); a dropped
 dp reduction is ~50%: ``update_rtol`` 0.2. The momentum buffer is the recent gradient itself, not a sum of
 steps: a LayerNorm weight's differs by 20.4% under ZeRO-2/3 (``state_rtol`` 0.3). Losses to 1e-2 relative.
+With experts (the ep layouts' model) top-k routing on bf16 scores also sends a token whose two best scores
+round alike to another expert under another layout, which moves the router's update discontinuously: 10.5%
+under ep2 in the bf16 row, 24% with LayerDrop and accumulation under ep2×dp2/zero3 (*bf16-accumulate-unused*):
+``update_rtol`` 0.3 there, still short of a dropped reduction's ~50%.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ class Tolerance:
 
 FLOAT32 = Tolerance()
 BF16 = Tolerance(metric_rtol=1e-2, metric_atol=1e-3, update_rtol=0.2, atol=1e-5, state_rtol=0.3)
+BF16_EXPERTS = Tolerance(metric_rtol=1e-2, metric_atol=1e-3, update_rtol=0.3, atol=1e-5, state_rtol=0.3)
 
 
 def _close(

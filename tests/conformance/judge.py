@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tests.conformance import matrix
-from tests.conformance.compare import BF16, FLOAT32, compare
+from tests.conformance.compare import BF16, BF16_EXPERTS, FLOAT32, compare
 from tests.conformance.scenarios import LAYOUT, expected_refusals, expected_warnings, scenario
 
 
@@ -49,7 +49,7 @@ def judge(cell: matrix.Cell, out: Path) -> Outcome:
         said = [w for w in got["warnings"] if any(words in w for words in warnings)]
         assert said, f"expected a warning with {warnings[0]!r}; the strategy warned {got['warnings']}"
         return Outcome(cell, "warned", _first_line(said[0]))
-    tol = BF16 if bf16 else FLOAT32
+    tol = (BF16_EXPERTS if cell.moe else BF16) if bf16 else FLOAT32
     problems = compare(got, want, tol, skip_steps=2 if cell.saved_under else 0)
     assert not problems, f"{cell.id} differs from one process:\n" + "\n".join(problems[:40])
     return Outcome(cell, "exact", "; ".join(got.get("warnings", [])))

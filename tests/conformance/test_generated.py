@@ -79,7 +79,9 @@ def test_drawn_cases_are_valid_on_one_process_and_shrunk_ones_train_the_same_mod
         names = {f.name for f in case.features}
         assert not {"schedulers", "finetuning"} <= names, case.describe()
         frozen = set(draw_shape(0, case.name)["frozen"])  # nothing left for the loss to train (gen-899)
-        assert not ({"finetuning", "frozen", "tied"} <= names and frozen >= generate.REST_FROZEN), case.describe()
+        assert not ({"finetuning", "frozen", "tied"} <= names and frozen >= generate.REST_FROZEN), (
+            case.describe()
+        )
         scenario = case.scenario()
         if scenario.features.get("manual"):  # each optimizer has something to step
             module = ConformanceModule(draw_shape(0, scenario.shape_of), scenario.features)
