@@ -224,6 +224,13 @@ SCENARIOS = [
         features=dict(manual="single", flat=True),
     ),
     Scenario(
+        "manual-flat-read-grads",
+        "the same, its gradients read in training_step between manual_backward and the step, in "
+        "on_before_optimizer_step and after the batch: the LightningModule's own parameters included",
+        features=dict(manual="single", flat=True, read_grads=True),
+        callbacks=("read_grads", "read_grads_after"),
+    ),
+    Scenario(
         "manual-flat-two",
         "the same model, two optimizers stepped in one training_step (a GAN's loop)",
         features=dict(manual=True, flat=True),
@@ -493,6 +500,9 @@ REFUSED: dict[str, list[tuple[Any, str]]] = {
         (_pipelined, "pipeline parallelism needs exactly one model offering pipeline_layers()")
     ],
     "manual-flat": [(_pipelined, "pipeline parallelism needs exactly one model offering pipeline_layers()")],
+    "manual-flat-read-grads": [
+        (_pipelined, "pipeline parallelism needs exactly one model offering pipeline_layers()")
+    ],
     "manual-flat-two": [
         (_pipelined, "pipeline parallelism needs exactly one model offering pipeline_layers()")
     ],

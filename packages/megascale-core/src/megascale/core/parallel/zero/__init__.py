@@ -37,9 +37,10 @@ some ranks' forward does not call is gathered and reduce-scattered with the othe
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -342,8 +343,9 @@ class _FullySharded(ZeroRuntime):
     inside the LightningModule's forward) are seen by hooks on the roots: FSDP2 would reduce-scatter only the
     units that backward reached through their own outputs, and never the root's own parameters (its output,
     which FSDP hooks, does not exist yet), so the runtime finishes FSDP's backward itself after each one, and
-    gathers the root's parameters again for the rest of that forward (after each reduction and step: fresh
-    values); they are sharded again when the forward ends, as after any step. The root's gathered parameters
+    leaves the root's parameters sharded after each reduction and step (code reading gradients there finds the
+    shards that hold them, as between steps), to be gathered again, fresh, when a module holding them next runs
+    in that forward; they are sharded again when the forward ends, as after any step. The root's gathered parameters
     follow their shards' ``requires_grad`` as their modules run (toggle_optimizer inside the forward). Every
     unit is gathered once at the first forward (``FSDPUnits.gather_units_once``), so one that the first
     micro-batch of an accumulation skips still has what FSDP's post-backward reads. Every rank reduce-scatters
@@ -365,6 +367,7 @@ class _FullySharded(ZeroRuntime):
         }
         self._inside_forward = 0  # roots' forwards now running (they may nest: a root calling another)
         self._gathered_inside = False
+        self._stale_roots: set[int] = set()  # roots sharded inside a forward, gathered when next used
         self._units_gathered_once = False  # see FSDPUnits.gather_units_once
         self._hooks = [
             hook
@@ -374,6 +377,11 @@ class _FullySharded(ZeroRuntime):
                 tree.root.register_forward_hook(self._leave_root),
                 *tree.follow_requires_grad(),
             )
+        ]
+        self._hooks += [
+            module.register_forward_pre_hook(self._gather_if_stale(tree), prepend=True)
+            for tree in units
+            for module in tree.root_modules()
         ]
 
     def _enter_root(self, module: nn.Module, args: object) -> None:
@@ -390,13 +398,27 @@ class _FullySharded(ZeroRuntime):
         self._inside_forward -= 1
         if not self._inside_forward and self._gathered_inside:
             self._gathered_inside = False
+            self._stale_roots = set()
             for tree in self.units:
                 tree.root.reshard()  # between steps the shards are registered, as after any backward
 
     def _gather_roots_inside_forward(self) -> None:
+        """After a reduction or a step inside a root's forward: each root's parameters sharded, so code reading
+        them or their gradients meanwhile (a manual training_step, on_before_optimizer_step) finds the shards
+        holding the reduced gradients, as between steps; gathered again, fresh, when a module holding them
+        next runs in that forward (``_gather_if_stale``)."""
         self._gathered_inside = True
         for tree in self.units:
-            tree.gather_root()
+            tree.root.reshard()
+            self._stale_roots.add(id(tree.root))
+
+    def _gather_if_stale(self, tree: Any) -> Callable[..., None]:  # tree: FSDPUnits
+        def hook(module: nn.Module, args: object) -> None:
+            if id(tree.root) in self._stale_roots:
+                self._stale_roots.discard(id(tree.root))
+                tree.gather_root()
+
+        return hook
 
     def reshard(self) -> None:
         for tree in self.units:

@@ -91,6 +91,16 @@ class FSDPUnits:
 
         return [module.register_forward_pre_hook(follow(params)) for module, params in by_module.values()]
 
+    def root_modules(self) -> list[nn.Module]:
+        """The modules holding the root's own parameters (each module a tied parameter is shared with too)."""
+        modules: dict[int, nn.Module] = {}
+        for group in self.root._get_fsdp_state()._fsdp_param_groups:
+            for fsdp_param in group.fsdp_params:
+                info = fsdp_param._module_info
+                for module in (info.module, *info.shared_modules):
+                    modules.setdefault(id(module), module)
+        return list(modules.values())
+
     def gather_units_once(self) -> None:
         """Gather and free every unit under the root but the root itself (gathered by its forward), once, on
         every rank alike, before the first forward uses them: FSDP2 creates a parameter's gathered copy at its
