@@ -11,7 +11,11 @@ products over tp, microbatches of a pipeline), ~1e-7 relative per gradient. Logg
 directly: 1e-5 relative. AdamW (lr 1e-2, eps 1e-6) turns a gradient difference into an update difference of
 at most ~lr·δg/eps for a near-zero gradient: a handful of elements then differ by up to ~1e-4 while the
 tensor's update norm is ~1, so ``update_rtol`` 1e-3 holds with margin (observed ≤ 2e-4) and catches 1% of
-an update.
+an update. A gradient statistic logged after the first step (a user's sum of squared gradient norms, a
+norm) sees those weights through the curvature, and within one batch of two manual optimizers the second
+reads gradients of weights the first just stepped: 1.3e-4 relative observed over 1,000 generated cases, all
+from the second step on (``grad_stat_rtol`` 1e-3; the first step's stays at 1e-5, where any defect of a
+reduction already shows).
 
 bf16-mixed cells: matmuls round to 8 bits of mantissa and a split GEMM rounds differently; ZeRO-2/3 gathers
 every parameter in bf16 (FSDP2's param_dtype), so its norms also compute on bf16 weights where autocast keeps
@@ -22,7 +26,9 @@ steps: a LayerNorm weight's differs by 20.4% under ZeRO-2/3 (``state_rtol`` 0.3)
 With experts (the ep layouts' model) top-k routing on bf16 scores also sends a token whose two best scores
 round alike to another expert under another layout, which moves the router's update discontinuously: 10.5%
 under ep2 in the bf16 row, 24% with LayerDrop and accumulation under ep2×dp2/zero3 (*bf16-accumulate-unused*):
-``update_rtol`` 0.3 there, still short of a dropped reduction's ~50%.
+``update_rtol`` 0.3 there, still short of a dropped reduction's ~50%. bf16 gradient statistics after the
+first step, by the same token, follow weights 20% of an update apart (SGD at lr 0.5 with momentum): 6.5%
+observed at a sixth step under tp2 (gen-580), ``grad_stat_rtol`` 0.1.
 """
 
 from __future__ import annotations
@@ -40,11 +46,16 @@ class Tolerance:
     update_rtol: float = 1e-3
     atol: float = 1e-7  # per element (RMS), the floor for tensors that hardly move
     state_rtol: float = 1e-3  # optimizer state, relative to its own size
+    grad_stat_rtol: float = 1e-3  # logged gradient statistics after the first step
 
 
 FLOAT32 = Tolerance()
-BF16 = Tolerance(metric_rtol=1e-2, metric_atol=1e-3, update_rtol=0.2, atol=1e-5, state_rtol=0.3)
-BF16_EXPERTS = Tolerance(metric_rtol=1e-2, metric_atol=1e-3, update_rtol=0.3, atol=1e-5, state_rtol=0.3)
+BF16 = Tolerance(
+    metric_rtol=1e-2, metric_atol=1e-3, update_rtol=0.2, atol=1e-5, state_rtol=0.3, grad_stat_rtol=0.1
+)
+BF16_EXPERTS = Tolerance(
+    metric_rtol=1e-2, metric_atol=1e-3, update_rtol=0.3, atol=1e-5, state_rtol=0.3, grad_stat_rtol=0.1
+)
 
 
 def _close(
@@ -88,7 +99,8 @@ def _metrics(
         if missing:
             problems.append(f"{what}[{i}]: not logged {missing}")
         for key in sorted(set(w) & set(g)):
-            if abs(g[key] - w[key]) > tol.metric_atol + tol.metric_rtol * abs(w[key]):
+            rtol = tol.grad_stat_rtol if i > 0 and "grad" in key else tol.metric_rtol
+            if abs(g[key] - w[key]) > tol.metric_atol + rtol * abs(w[key]):
                 problems.append(f"{what}[{i}] {key}: {g[key]:.7g} vs one process {w[key]:.7g}")
     return problems
 
