@@ -311,7 +311,9 @@ class ConformanceModule(LightningModule):
     conditional_block: the first and last blocks run only on samples whose first token is 0 (first) or 1 (last)
     modulo 3, and are skipped where a rank's batch holds none;
     conditional: a layer in the loss that only tokens with a small target run (``NextTokenLoss``), so ranks use
-    it in different steps; log_sum: a per-batch total logged with reduce_fx="sum" (training and validation); log_l2: the sum of every
+    it in different steps; log_sum: a per-batch total logged with reduce_fx="sum" (training and validation); log_reductions: the
+    batch's largest, smallest and mean token logged with reduce_fx "max", "min" and "mean" (sync_dist), the
+    loss's epoch mean (on_epoch), and the batch index unsynced (every rank logs the same); log_l2: the sum of every
     parameter's squares, over ``self.parameters()`` inside training_step, logged with sync_dist=True;
     flat: the model lists no layers and holds its blocks in an nn.Sequential (``FlatNet``); schedulers: a per-step warm-up and a per-epoch decay on one optimizer; log_grad_norm:
     "lightning" or "megascale": that library's grad_norm logged in on_before_optimizer_step; clip_in_module: configure_gradient_clipping
@@ -414,6 +416,13 @@ class ConformanceModule(LightningModule):
             self.log(
                 "train/loss_sum", loss.detach() * len(batch[0]), on_step=True, sync_dist=True, reduce_fx="sum"
             )
+        if self.features.get("log_reductions"):  # each reduce_fx over the ranks' samples, as over the union
+            tokens = batch[0][:, 0].float()  # each sample's first token: a few per rank, unlike the union
+            self.log("train/token_max", tokens.max(), on_step=True, sync_dist=True, reduce_fx="max")
+            self.log("train/token_min", tokens.min(), on_step=True, sync_dist=True, reduce_fx="min")
+            self.log("train/token_mean", tokens.mean(), on_step=True, sync_dist=True, reduce_fx="mean")
+            self.log("train/loss_epoch_mean", loss.detach(), on_step=False, on_epoch=True, sync_dist=True)
+            self.log("train/batch_idx", float(batch_idx), on_step=True)  # alike on every rank: not synced
         if self.features.get("log_l2"):  # an L2 penalty over every parameter, logged (not trained on)
             l2 = sum(p.float().pow(2).sum() for p in self.parameters())
             self.log("train/l2", l2, on_step=True, sync_dist=True)

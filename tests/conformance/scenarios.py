@@ -347,6 +347,12 @@ SCENARIOS = [
         validate=True,
     ),
     Scenario(
+        "log-reductions",
+        "self.log with reduce_fx max, min and mean over the ranks' samples (sync_dist), an epoch mean, and a "
+        "value every rank holds alike unsynced",
+        features=dict(log_reductions=True),
+    ),
+    Scenario(
         "log-sum",
         'totals logged with sync_dist=True, reduce_fx="sum" (each sample counted once), validation too',
         features=dict(log_sum=True),
