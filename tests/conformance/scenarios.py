@@ -138,6 +138,14 @@ SCENARIOS = [
         callbacks=("finetune",),
     ),
     Scenario(
+        "finetuning-bf16",
+        "BaseFinetuning under bf16-mixed (SGD with momentum): blocks frozen when first run, unfrozen at epoch 1, "
+        "their gradients then reduced in fp32 as the others'",
+        features=dict(eager=True, sgd=True),
+        callbacks=("finetune",),
+        bf16=True,
+    ),
+    Scenario(
         "finetuning-validation",
         "BaseFinetuning with validation every batch: the blocks unfrozen after a validation join the optimizer "
         "as the parameters it steps, not as the copies the validation gathered",

@@ -74,3 +74,35 @@ def test_a_layer_only_the_last_micro_batch_runs_is_reduced_with_the_accumulated_
             assert got[name].dtype == torch.float32
             error = float((got[name] - value).abs().max() / value.abs().max())
             assert error < 2e-2, f"ZeRO-{stage} rank {rank}: {name} off by {error:.1e} (relative)"
+
+
+def _worker_unfrozen(rank: int, world: int, stage: int) -> dict[str, torch.Tensor]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    net = Net()
+    net.sometimes.requires_grad_(False)  # frozen whole when FSDP2 first runs its unit (BaseFinetuning's way)
+    zero = apply_zero([UnitTree(net, [[net.sometimes]])], mesh["dp"], stage=stage, param_dtype=torch.bfloat16)
+    net(_batch(0, rank), use_sometimes=True).backward()
+    zero.after_backward()
+    net.zero_grad()
+    net.sometimes.requires_grad_(True)  # unfrozen: its bf16 gradients are reduced in fp32 as the others'
+    net(_batch(1, rank), use_sometimes=True).backward()
+    zero.after_backward()
+    grads = {n: p.grad.full_tensor() for n, p in net.named_parameters() if p.grad is not None}
+    zero.remove()
+    return grads
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_unit_frozen_when_first_run_and_unfrozen_later_reduces_in_fp32(stage: int) -> None:
+    net = Net()
+    for rank in range(DP):
+        (net(_batch(1, rank), use_sometimes=True) / DP).backward()
+    want = {n: p.grad for n, p in net.named_parameters() if p.grad is not None}
+    for rank, got in enumerate(run_distributed(_worker_unfrozen, DP, stage, timeout=120)):
+        assert sorted(got) == sorted(want), f"rank {rank}"
+        for name, value in want.items():
+            assert got[name].dtype == torch.float32, f"ZeRO-{stage} rank {rank}: {name} {got[name].dtype}"
+            error = float((got[name] - value).abs().max() / value.abs().max())
+            assert error < 2e-2, f"ZeRO-{stage} rank {rank}: {name} off by {error:.1e} (relative)"

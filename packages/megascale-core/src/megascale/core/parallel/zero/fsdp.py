@@ -133,14 +133,23 @@ class FSDPUnits:
 
 
 def _reduce_in_one_dtype(param_group: Any) -> None:
-    """Under accumulation with ``param_dtype`` below ``reduce_dtype``, a gradient FSDP2 kept from a no-sync
-    micro-batch is in ``reduce_dtype``; one first made by the reducing micro-batch (a layer the earlier ones
-    skipped), and the zeros FSDP2 reduce-scatters for an unused parameter, in ``param_dtype``. One unit holding
-    both failed with "FSDP reduce-scatter expects uniform gradient dtype". The latter are cast up first (the
-    reduce-scatter casts them to ``reduce_dtype`` anyway): numerically the same."""
+    """FSDP2's post-backward of ``param_group``, its gradients reduced in ``reduce_dtype`` (fp32 under bf16
+    compute) whatever their history:
+
+    - accumulating, a gradient FSDP2 kept from a no-sync micro-batch is in ``reduce_dtype``; one first made by
+      the reducing micro-batch (a layer the earlier ones skipped), and the zeros FSDP2 reduce-scatters for an
+      unused parameter, in ``param_dtype``: one unit holding both failed with "FSDP reduce-scatter expects
+      uniform gradient dtype". The latter are cast up first (the reduce-scatter casts them anyway);
+    - a unit frozen whole when FSDP2 first ran it (``BaseFinetuning``) got no dtypes (FSDP2 takes them from
+      trainable parameters only), so once unfrozen its bf16 gradients were reduced in bf16 and refused by its
+      fp32 parameters ("attempting to assign a gradient with dtype BFloat16"). They are taken again then."""
     post_backward = param_group.post_backward  # FSDP2 has no hook before it; it is called by attribute
 
     def upcast_then_post_backward(*args: Any) -> Any:
+        if param_group._orig_dtype is None and any(
+            fp.sharded_param.requires_grad for fp in param_group.fsdp_params
+        ):
+            param_group._init_mp_dtypes()
         gathered = [fp for fp in param_group.fsdp_params if hasattr(fp, "_unsharded_param")]
         if param_group.reduce_grads and any(fp.unsharded_accumulated_grad is not None for fp in gathered):
             for fsdp_param in gathered:
