@@ -588,9 +588,8 @@ class MegaScaleStrategy(ParallelStrategy):
         self._expect_documents(args, kwargs)
         with self.precision_plugin.val_step_context():
             out = self._redirected("validation_step", *args, **kwargs)
-        if (
-            self._reshard_between_batches
-        ):  # readers in on_validation_batch_end see the shards, as after a step
+        # readers in on_validation_batch_end see the shards, as after a step
+        if self._reshard_between_batches:
             self.runtime.zero.reshard()
         return out
 

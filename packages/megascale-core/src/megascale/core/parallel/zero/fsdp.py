@@ -150,8 +150,10 @@ def _reduce_in_one_dtype(param_group: Any) -> None:
             fp.sharded_param.requires_grad for fp in param_group.fsdp_params
         ):
             param_group._init_mp_dtypes()
+        if not param_group.reduce_grads or param_group._reduce_dtype is None:  # nothing to cast: as FSDP2
+            return post_backward(*args)
         gathered = [fp for fp in param_group.fsdp_params if hasattr(fp, "_unsharded_param")]
-        if param_group.reduce_grads and any(fp.unsharded_accumulated_grad is not None for fp in gathered):
+        if any(fp.unsharded_accumulated_grad is not None for fp in gathered):
             for fsdp_param in gathered:
                 param = fsdp_param._unsharded_param
                 if fsdp_param.unsharded_accumulated_grad is not None or fsdp_param.reduce_dtype is None:
