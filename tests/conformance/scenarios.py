@@ -244,6 +244,15 @@ SCENARIOS = [
         features=dict(manual=True, flat=True),
     ),
     Scenario(
+        "manual-one-owner",
+        "two optimizers by hand, the second over the head's norm alone (the embedding and head frozen): under "
+        "ZeRO-1 by parameters one rank owns all of it, and the checkpoint holds that rank's states (gen-445)",
+        features=dict(manual="toggle", tie=True, frozen=("embed.", "blocks.0.attn_norm")),
+        trainer=dict(val_check_interval=1),
+        validate=True,
+        shape_of="gen-445",  # no biases: the norm's weight is the second optimizer's one parameter
+    ),
+    Scenario(
         "skip-steps",
         "optimizer_step overridden to run the closure and skip the step on odd batches",
         features=dict(skip_odd_steps=True),
@@ -505,6 +514,7 @@ REFUSED: dict[str, list[tuple[Any, str]]] = {
     "manual-accumulate": [(_pipelined, "manual optimization (automatic_optimization=False) cannot run")],
     "manual-closure": [(_pipelined, "manual optimization (automatic_optimization=False) cannot run")],
     "manual-split": [(_pipelined, "manual optimization (automatic_optimization=False) cannot run")],
+    "manual-one-owner": [(_pipelined, "which different pipeline stages hold (tied weights)")],
     "manual-read-grads": [(_pipelined, "manual optimization (automatic_optimization=False) cannot run")],
     "manual-read-grads-after": [
         (_pipelined, "manual optimization (automatic_optimization=False) cannot run")

@@ -45,7 +45,6 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
-    get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
@@ -54,6 +53,7 @@ from torch.optim import Optimizer
 from megascale.core import GPT, GPTConfig
 from megascale.core.parallel.zero.optimizer_state import optimizer_params
 from megascale.lightning import one_file_checkpoint
+from megascale.lightning.optimizer_state_dict import optimizer_state_dict
 
 __all__ = [
     "LAYOUT_KEY",
@@ -94,14 +94,16 @@ def _states(
     optimizers: Sequence[Optimizer],
     before_optimizer_state: Callable[[Optimizer], None],
     unstepped: Sequence[int] = (),
+    *,
+    template: Callable[[Optimizer], bool] = lambda _: False,
 ) -> dict[str, Any]:
+    """The model's and optimizers' DCP state dicts; ``template(optimizer)``: a template to load every state of
+    it into (states made up for parameters that hold none yet), else the states held (to save, or to load a
+    ZeRO-1 rank's own)."""
     state: dict[str, Any] = {MODEL_KEY: get_model_state_dict(model)}
     for i, optimizer in enumerate(optimizers):
         before_optimizer_state(optimizer)
-        try:
-            optimizer_state = get_optimizer_state_dict(model, optimizer, options=_options(True))
-        except NotImplementedError as error:  # torch's message speaks of flattening, not of the optimizer
-            raise one_file_checkpoint.unwritable_state(optimizer, error) from error
+        optimizer_state = optimizer_state_dict(model, optimizer, _options(True), made_up=template(optimizer))
         if i in unstepped:  # the state DCP just made up (zero buffers) is none a run holds: not written
             optimizer_state = _without_state(optimizer_state)
         state[f"optimizer_{i}"] = optimizer_state
@@ -146,10 +148,13 @@ def states(
     model: nn.Module,
     optimizers: Sequence[Optimizer],
     before_optimizer_state: Callable[[Optimizer], None] = lambda _: None,
+    holds_all_states: Callable[[Optimizer], bool] = lambda _: True,
 ) -> dict[str, Any]:
     """``{"state_dict": model, "optimizer_<i>": ...}`` as DCP state dicts (parameter-name keys, this rank's
-    shards), for a checkpointer that writes them itself; load into them in place, then `apply_states`."""
-    return _states(model, optimizers, before_optimizer_state)
+    shards), for a checkpointer that writes them itself; load into them in place, then `apply_states`.
+    ``holds_all_states(optimizer)``: False where a rank holds the states of some parameters only (ZeRO-1),
+    whose dict then holds those alone."""
+    return _states(model, optimizers, before_optimizer_state, template=holds_all_states)
 
 
 def apply_states(
@@ -227,7 +232,7 @@ def load(
             "): it was probably interrupted while saving; resume from an earlier one"
         )
     meta = torch.load(path / META_FILE, weights_only=True, map_location="cpu")
-    state = _states(model, optimizers, before_optimizer_state)
+    state = _states(model, optimizers, before_optimizer_state, template=holds_all_states)
     if not optimizers:
         state = {MODEL_KEY: state[MODEL_KEY]}
     # an optimizer no rank had stepped was saved without state; the state its template made up is set

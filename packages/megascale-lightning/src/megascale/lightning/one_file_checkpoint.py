@@ -24,14 +24,15 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
-    get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
 from torch.optim import Optimizer
 from torch.utils._pytree import tree_map
 
-__all__ = ["gathered_checkpoint", "load_into", "unwritable_state"]
+from megascale.lightning.optimizer_state_dict import optimizer_state_dict
+
+__all__ = ["gathered_checkpoint", "load_into"]
 
 MODEL_KEY = "state_dict"
 OPTIMIZERS_KEY = "optimizer_states"
@@ -39,25 +40,6 @@ OPTIMIZERS_KEY = "optimizer_states"
 
 def _on_cpu(state: Any) -> Any:
     return tree_map(lambda v: v.detach().cpu() if isinstance(v, torch.Tensor) else v, state)
-
-
-def unwritable_state(optimizer: Optimizer, error: NotImplementedError) -> ValueError:
-    """What torch.distributed.checkpoint's refusal of ``optimizer``'s state means, naming the optimizer."""
-    return ValueError(
-        f"{type(optimizer).__name__}'s state cannot be written to a megascale checkpoint "
-        f"(torch.distributed.checkpoint: {error}); its values are not one tensor per parameter (LBFGS "
-        "keeps lists of past steps). Train with an optimizer whose state is per parameter (AdamW, SGD, "
-        "LAMB), or without checkpoints"
-    )
-
-
-def _whole_optimizer_state(model: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
-    try:
-        return dict(
-            get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
-        )
-    except NotImplementedError as error:  # torch's message speaks of flattening, not of the optimizer
-        raise unwritable_state(optimizer, error) from error
 
 
 def gathered_checkpoint(
@@ -75,7 +57,7 @@ def gathered_checkpoint(
     states = []
     for optimizer in optimizers:
         before_optimizer_state(optimizer)
-        states.append(_on_cpu(_whole_optimizer_state(model, optimizer)))
+        states.append(_on_cpu(optimizer_state_dict(model, optimizer, StateDictOptions(full_state_dict=True))))
     piece = (weights if sends_model else {}, states if sends_optimizers else None)
     pieces: list[Any] = [piece]
     if dist.is_available() and dist.is_initialized():
@@ -194,10 +176,13 @@ def load_into(
     wholes = []
     for optimizer, saved in zip(optimizers, saved_states):
         before_optimizer_state(optimizer)
-        template: dict[str, Any] = dict(get_optimizer_state_dict(model, optimizer))
+        # a ZeRO-1 rank loads the states it owns; any other, a state for each parameter the file has one for
+        template = optimizer_state_dict(
+            model, optimizer, StateDictOptions(), made_up=holds_all_states(optimizer)
+        )
         state, settings = _by_name(saved, template)
-        absent = [n for n in template["state"] if n not in state]
-        absent += [n for g in template["param_groups"] for n in g["params"] if n not in settings]
+        # a parameter without state in the file had none in that run (never stepped): it gets none here either
+        absent = [n for g in template["param_groups"] for n in g["params"] if n not in settings]
         if absent:
             problem = problem or (
                 f"it has no {type(optimizer).__name__} state for {absent[:3]}: resume with the optimizer "
@@ -208,7 +193,9 @@ def load_into(
             {**settings[group["params"][0]], "params": group["params"]} if group["params"] else group
             for group in template["param_groups"]
         ]
-        wholes.append({"state": {name: state[name] for name in template["state"]}, "param_groups": groups})
+        wholes.append(
+            {"state": {n: state[n] for n in template["state"] if n in state}, "param_groups": groups}
+        )
     problem = next((p for p in _every_rank(problem) if p is not None), None)
     if problem is not None:
         raise ValueError(f"cannot resume this checkpoint: {problem}")

@@ -933,8 +933,9 @@ class MegaScaleStrategy(ParallelStrategy):
         self._wait_for_params()
         assert self.model is not None
         return checkpoint_io.states(
-            self.model, self._stepping_optimizers, self.runtime.zero.prepare_optimizer_state
-        )
+            self.model, self._stepping_optimizers, self.runtime.zero.prepare_optimizer_state,
+            holds_all_states=self._holds_all_states,
+        )  # fmt: skip
 
     def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
         """Set the model and optimizer states from a `sharded_state_dict` whose tensors were loaded in place."""
