@@ -94,6 +94,12 @@ FEATURES = (
     Feature("three-epochs", "plain", trainer=dict(max_epochs=3)),
     # last: a feature added after the others leaves every earlier draw of a seed as it was
     Feature("log-reductions", "log-reductions", features=dict(log_reductions=True), takes=AUTOMATIC),
+    Feature(
+        "overlap",
+        "manual-overlap",
+        features=dict(overlap=True),
+        takes=("manual-two", "manual-toggle", "manual-split"),
+    ),
 )
 # what cannot go together, on one process too: LR schedulers made before BaseFinetuning adds a param group
 EXCLUSIVE = ({"accumulate-2", "accumulate-3"}, {"clip-norm", "clip-value"}, {"schedulers", "finetuning"})

@@ -315,6 +315,7 @@ class ConformanceModule(LightningModule):
     batch's largest, smallest and mean token logged with reduce_fx "max", "min" and "mean" (sync_dist), the
     loss's epoch mean (on_epoch), and the batch index unsynced (every rank logs the same); log_l2: the sum of every
     parameter's squares, over ``self.parameters()`` inside training_step, logged with sync_dist=True;
+    overlap: with two optimizers, one parameter in both (each steps it with its own state);
     flat: the model lists no layers and holds its blocks in an nn.Sequential (``FlatNet``); schedulers: a per-step warm-up and a per-epoch decay on one optimizer; log_grad_norm:
     "lightning" or "megascale": that library's grad_norm logged in on_before_optimizer_step; clip_in_module: configure_gradient_clipping
     clips by norm through Lightning's clip_gradients; torch_clip: ...through torch.nn.utils.clip_grad_norm_;
@@ -556,12 +557,16 @@ class ConformanceModule(LightningModule):
             params = [p for p in self.parameters() if p.requires_grad]
             matrices = [p for p in params if p.dim() >= 2]
             vectors = [p for p in params if p.dim() < 2]
+            if self.features.get("overlap"):  # the last vector in both optimizers: stepped by each
+                matrices += vectors[-1:]
             return torch.optim.AdamW(matrices, lr=LR, eps=EPS), torch.optim.SGD(vectors, lr=0.1, momentum=0.9)
         if self.features.get("manual"):
             blocks = [p for p in self.net.blocks.parameters() if p.requires_grad]
             rest = [
                 p for n, p in self.net.named_parameters() if not n.startswith("blocks.") and p.requires_grad
             ]
+            if self.features.get("overlap"):  # the rest's last parameter in both optimizers: stepped by each
+                blocks += rest[-1:]
             return torch.optim.AdamW(blocks, lr=LR, eps=EPS), torch.optim.AdamW(rest, lr=LR, eps=EPS)
         params = [p for p in self.parameters() if p.requires_grad]
         if self.features.get("sgd"):

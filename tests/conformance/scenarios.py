@@ -244,6 +244,12 @@ SCENARIOS = [
         features=dict(manual=True, flat=True),
     ),
     Scenario(
+        "manual-overlap",
+        "two optimizers stepped by hand after one backward (a Muon + AdamW loop), sharing one parameter (the "
+        "last vector), each stepping it with its own state",
+        features=dict(manual="split", overlap=True),
+    ),
+    Scenario(
         "manual-one-owner",
         "two optimizers by hand, the second over the head's norm alone (the embedding and head frozen): under "
         "ZeRO-1 by parameters one rank owns all of it, and the checkpoint holds that rank's states (gen-445)",
@@ -514,6 +520,7 @@ REFUSED: dict[str, list[tuple[Any, str]]] = {
     "manual-accumulate": [(_pipelined, "manual optimization (automatic_optimization=False) cannot run")],
     "manual-closure": [(_pipelined, "manual optimization (automatic_optimization=False) cannot run")],
     "manual-split": [(_pipelined, "manual optimization (automatic_optimization=False) cannot run")],
+    "manual-overlap": [(_pipelined, "manual optimization (automatic_optimization=False) cannot run")],
     "manual-one-owner": [(_pipelined, "which different pipeline stages hold (tied weights)")],
     "manual-read-grads": [(_pipelined, "manual optimization (automatic_optimization=False) cannot run")],
     "manual-read-grads-after": [

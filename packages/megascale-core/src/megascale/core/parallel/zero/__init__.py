@@ -37,7 +37,7 @@ some ranks' forward does not call is gathered and reduce-scattered with the othe
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -216,6 +216,7 @@ class _ScatteredGradients(_ReplicatedGradients):
     def before_optimizer_step(self, optimizer: Optimizer) -> None:
         step = self._of(optimizer)
         if step is not None:
+            _wait_for_shared(step, self.steps.values())
             step.begin_step()
 
     def after_optimizer_step(self, optimizer: Optimizer) -> None:
@@ -291,6 +292,7 @@ class _ShardedOptimizerState(_ReplicatedGradients):
     def before_optimizer_step(self, optimizer: Optimizer) -> None:
         sharding = self._of(optimizer)
         if sharding is not None:
+            _wait_for_shared(sharding, self.sharding.values())
             sharding.drop_unowned_grads()
 
     def after_optimizer_step(self, optimizer: Optimizer) -> None:
@@ -327,6 +329,20 @@ class _ShardedOptimizerState(_ReplicatedGradients):
     def remove(self) -> None:
         self.remove_sharding()
         super().remove()
+
+
+_Stepper = ShardedOptimizerStep | OptimizerStateSharding
+
+
+def _wait_for_shared(stepping: _Stepper, others: Iterable[_Stepper]) -> None:
+    """Before ``stepping`` steps: the new values of parameters it shares with another optimizer (each steps
+    them with its own state, as on one process), sent by that one's last step, must have landed first: the
+    owner of a piece under one optimizer need not be its owner under the other, and a late gather would
+    overwrite the newer values."""
+    mine = {id(p) for p in stepping.params}
+    for other in others:
+        if other is not stepping and any(id(p) in mine for p in other.params):
+            other.wait()
 
 
 class _FullySharded(ZeroRuntime):
