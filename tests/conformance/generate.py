@@ -100,6 +100,7 @@ FEATURES = (
         features=dict(overlap=True),
         takes=("manual-two", "manual-toggle", "manual-split"),
     ),
+    Feature("detach", "detach", features=dict(detach=True)),
 )
 # what cannot go together, on one process too: LR schedulers made before BaseFinetuning adds a param group
 EXCLUSIVE = ({"accumulate-2", "accumulate-3"}, {"clip-norm", "clip-value"}, {"schedulers", "finetuning"})

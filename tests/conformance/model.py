@@ -146,9 +146,10 @@ class Head(nn.Module):
         self.norm = nn.LayerNorm(width, bias=bias)
         self.proj = nn.Linear(width, vocab, bias=False)
         self.unused = nn.Parameter(torch.zeros(width)) if unused else None  # no forward reads it
+        self.detach_input = False  # the loss reaches the head (and what is tied to it) only
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(self.norm(x))
+        return self.proj(self.norm(x.detach() if self.detach_input else x))
 
 
 class Embeddings(nn.Module):
@@ -315,7 +316,8 @@ class ConformanceModule(LightningModule):
     batch's largest, smallest and mean token logged with reduce_fx "max", "min" and "mean" (sync_dist), the
     loss's epoch mean (on_epoch), and the batch index unsynced (every rank logs the same); log_l2: the sum of every
     parameter's squares, over ``self.parameters()`` inside training_step, logged with sync_dist=True;
-    overlap: with two optimizers, one parameter in both (each steps it with its own state);
+    detach: on odd steps the head reads its input detached, so the loss reaches the head (and the embedding
+    tied to it) only; overlap: with two optimizers, one parameter in both (each steps it with its own state);
     flat: the model lists no layers and holds its blocks in an nn.Sequential (``FlatNet``); schedulers: a per-step warm-up and a per-epoch decay on one optimizer; log_grad_norm:
     "lightning" or "megascale": that library's grad_norm logged in on_before_optimizer_step; clip_in_module: configure_gradient_clipping
     clips by norm through Lightning's clip_gradients; torch_clip: ...through torch.nn.utils.clip_grad_norm_;
@@ -406,6 +408,9 @@ class ConformanceModule(LightningModule):
             count = batch_idx if self.features["layerdrop"] == "batch" else self.global_step
             for i, block in enumerate(self.net.blocks):
                 block.active = (count + i) % 3 != 0
+        head = getattr(self.net, "head", None)  # (a pipeline stage without it: None)
+        if self.features.get("detach") and head is not None:
+            head.detach_input = self.trainer.fit_loop.total_batch_idx % 2 == 1  # every other batch
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
         self._set_layerdrop(batch_idx)

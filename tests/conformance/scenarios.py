@@ -244,6 +244,13 @@ SCENARIOS = [
         features=dict(manual=True, flat=True),
     ),
     Scenario(
+        "detach",
+        "every other batch the head reads its input detached: the loss reaches the head alone, the blocks and "
+        "embedding get no gradient (None) and AdamW leaves them be",
+        features=dict(detach=True),
+        trainer=dict(gradient_clip_val=0.05),
+    ),
+    Scenario(
         "manual-overlap",
         "two optimizers stepped by hand after one backward (a Muon + AdamW loop), sharing one parameter (the "
         "last vector), each stepping it with its own state",

@@ -46,6 +46,7 @@ from megascale.core.parallel.pp.interleaved import (
     stream_p2p_groups,
     stream_tag,
 )
+from megascale.core.parallel.pp.unreached import UnreachedStages
 from megascale.core.parallel.rng import ModelParallelRNG
 from megascale.core.parallel.wait_timer import WaitTimer, untimed
 from megascale.core.parallel.zero.fsdp import fsdp_param_groups
@@ -218,6 +219,8 @@ class Pipeline:
         # gets stages and a schedule of its own, built on first use: training, evaluation (loss, no
         # backward) and logits (no loss) batches of other shapes — a last short batch, a generation prompt.
         self._schedules: dict[tuple[str, tuple[int, ...]], Any] = {}
+        #: stages the loss did not reach in a training step get no gradients, as on one process
+        self.unreached = UnreachedStages(stage_modules, stage_ids, num_stages, device)
 
     @contextmanager
     def random_streams_untouched(self) -> Iterator[None]:
@@ -317,7 +320,9 @@ class Pipeline:
         # return_outputs=False: the last stage keeps no microbatch's output (the logits) once its loss is taken
         with self._positions(position_ids, schedule):
             if backward:
+                self.unreached.begin()
                 schedule.step(*args, return_outputs=False, **kwargs)
+                self.unreached.end()
             else:
                 with torch.no_grad():  # evaluation in train or eval mode alike: no microbatch keeps its graph
                     schedule.eval(*args, return_outputs=False, **kwargs)
@@ -509,6 +514,8 @@ class _LeanStage(PipelineStage):
         return self._stream(super().get_fwd_recv_ops(fwd_chunk_id), "F", self.stage_index)
 
     def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
+        if self.has_backward:  # torch sends zeros for an input the loss did not reach (None): noted
+            self.pipeline.unreached.sent(self.stage_index, self.bwd_cache.get(bwd_chunk_id, ()))
         return self._stream(super().get_bwd_send_ops(bwd_chunk_id), "B", self.stage_index - 1)
 
     def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:

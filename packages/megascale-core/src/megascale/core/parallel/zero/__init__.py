@@ -392,6 +392,7 @@ class _FullySharded(ZeroRuntime):
                 tree.root.register_forward_pre_hook(self._enter_root),
                 tree.root.register_forward_hook(self._leave_root),
                 *tree.follow_requires_grad(),
+                *tree.gather_for_balancing_losses(),
             )
         ]
         self._hooks += [

@@ -91,6 +91,36 @@ class FSDPUnits:
 
         return [module.register_forward_pre_hook(follow(params)) for module, params in by_module.values()]
 
+    def gather_for_balancing_losses(self) -> list[Any]:
+        """Forward hooks on each mixture-of-experts layer: the balancing loss it leaves for the model's loss
+        (``MoE.pending_loss``) reaches its router, so its unit's parameters, in backward without passing the
+        unit's output, where FSDP2 hooks the unit's gather. Where that output gets no gradient (the loss detached
+        after it) ZeRO-3 found them freed ("setStorage ... out of bounds for storage of size 0"). So the unit is
+        also gathered when backward reaches the balancing loss (a no-op where its output's hook came first).
+        Returns the hooks' handles."""
+        from megascale.core.model.moe import MoE
+
+        root: nn.Module = self.root  # type: ignore[assignment]  # an FSDPModule is an nn.Module
+        unit_of: dict[int, Any] = {}
+        for unit in root.modules():  # pre-order: a nested unit overrides the one around it
+            if isinstance(unit, FSDPModule):
+                for module in unit.modules():
+                    unit_of[id(module)] = unit
+
+        def gather_on_backward(state: Any) -> Any:
+            def hook(module: nn.Module, args: Any, output: Any) -> None:
+                loss = getattr(module, "pending_loss", None)
+                if isinstance(loss, torch.Tensor) and loss.grad_fn is not None:
+                    loss.grad_fn.register_prehook(lambda grads: state._pre_backward(grads[0]) and None)
+
+            return hook
+
+        return [
+            module.register_forward_hook(gather_on_backward(unit_of[id(module)]._get_fsdp_state()))
+            for module in root.modules()
+            if isinstance(module, MoE) and id(module) in unit_of
+        ]
+
     def root_modules(self) -> list[nn.Module]:
         """The modules holding the root's own parameters (each module a tied parameter is shared with too)."""
         modules: dict[int, nn.Module] = {}
