@@ -101,6 +101,9 @@ FEATURES = (
         takes=("manual-two", "manual-toggle", "manual-split"),
     ),
     Feature("detach", "detach", features=dict(detach=True)),
+    Feature(
+        "three-optimizers", "manual-three", features=dict(three=True), takes=("manual-two", "manual-toggle")
+    ),
 )
 # what cannot go together, on one process too: LR schedulers made before BaseFinetuning adds a param group
 EXCLUSIVE = ({"accumulate-2", "accumulate-3"}, {"clip-norm", "clip-value"}, {"schedulers", "finetuning"})
@@ -180,6 +183,16 @@ def _all_frozen(drawn: list[Feature], seed: int) -> bool:
     return {"frozen", "tied"} <= names and set(draw_shape(0, f"{PREFIX}{seed}")["frozen"]) >= REST_FROZEN
 
 
+def _detach_trains_nothing(way: Feature, drawn: list[Feature], seed: int) -> bool:
+    """On a batch whose head reads its input detached, the loss must still reach a trainable parameter (one
+    process fails too, "element 0 of tensors does not require grad"): not under toggle_optimizer (the blocks'
+    optimizer's turn leaves the head untrainable), nor with the head frozen (its norm and, tied, its
+    projection, the embedding)."""
+    if way.name == "manual-toggle":
+        return True
+    return _all_frozen(drawn, seed)
+
+
 def draw(seed: int) -> Case:
     """The case of ``seed``: a way of optimizing and the features it takes, each kept with probability KEEP."""
     rng = random.Random(f"conformance-case/{seed}")
@@ -195,6 +208,8 @@ def draw(seed: int) -> Case:
         if feature.name == "tied" and _rest_frozen(way, drawn, seed):
             continue
         if feature.name == "finetuning" and _all_frozen(drawn, seed):
+            continue
+        if feature.name == "detach" and _detach_trains_nothing(way, drawn, seed):
             continue
         drawn.append(feature)
     return Case(seed, way, tuple(drawn))

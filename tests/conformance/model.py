@@ -317,7 +317,8 @@ class ConformanceModule(LightningModule):
     loss's epoch mean (on_epoch), and the batch index unsynced (every rank logs the same); log_l2: the sum of every
     parameter's squares, over ``self.parameters()`` inside training_step, logged with sync_dist=True;
     detach: on odd steps the head reads its input detached, so the loss reaches the head (and the embedding
-    tied to it) only; overlap: with two optimizers, one parameter in both (each steps it with its own state);
+    tied to it) only; three: by hand, three optimizers (blocks; embedding; head), each stepped after its own
+    forward; overlap: with two optimizers, one parameter in both (each steps it with its own state);
     flat: the model lists no layers and holds its blocks in an nn.Sequential (``FlatNet``); schedulers: a per-step warm-up and a per-epoch decay on one optimizer; log_grad_norm:
     "lightning" or "megascale": that library's grad_norm logged in on_before_optimizer_step; clip_in_module: configure_gradient_clipping
     clips by norm through Lightning's clip_gradients; torch_clip: ...through torch.nn.utils.clip_grad_norm_;
@@ -463,26 +464,23 @@ class ConformanceModule(LightningModule):
             optimizer.step()  # type: ignore[union-attr]
             self.log("train/loss", loss.detach(), on_step=True, sync_dist=True)
             return None
-        first, second = self.optimizers()  # type: ignore[misc]
+        optimizers = self.optimizers()
+        optimizers = optimizers if isinstance(optimizers, list) else [optimizers]
         toggle = self.features["manual"] == "toggle"  # Lightning's GAN example: only one optimizer's grads
-        if toggle:
-            self.toggle_optimizer(first)
-        loss = self._loss(batch)
-        first.zero_grad()
-        self.manual_backward(loss)
-        first.step()
-        if toggle:
-            self.untoggle_optimizer(first)
-            self.toggle_optimizer(second)
-        # the second forward reads what the first step wrote (a GAN's discriminator step after the generator's)
-        loss2 = self._loss(batch)
-        second.zero_grad()
-        self.manual_backward(loss2)
-        second.step()
-        if toggle:
-            self.untoggle_optimizer(second)
-        self.log("train/loss", loss.detach(), on_step=True, sync_dist=True)
-        self.log("train/loss2", loss2.detach(), on_step=True, sync_dist=True)
+        losses = []
+        # each forward reads what the steps before it wrote (a GAN's discriminator step after the generator's)
+        for optimizer in optimizers:
+            if toggle:
+                self.toggle_optimizer(optimizer)
+            loss = self._loss(batch)
+            optimizer.zero_grad()
+            self.manual_backward(loss)
+            optimizer.step()
+            if toggle:
+                self.untoggle_optimizer(optimizer)
+            losses.append(loss.detach())
+        for i, loss in enumerate(losses):
+            self.log("train/loss" if i == 0 else f"train/loss{i + 1}", loss, on_step=True, sync_dist=True)
         return None
 
     def _manual_accumulation(self, batch: Any) -> None:
@@ -572,7 +570,13 @@ class ConformanceModule(LightningModule):
             ]
             if self.features.get("overlap"):  # the rest's last parameter in both optimizers: stepped by each
                 blocks += rest[-1:]
-            return torch.optim.AdamW(blocks, lr=LR, eps=EPS), torch.optim.AdamW(rest, lr=LR, eps=EPS)
+            if not self.features.get("three"):
+                return torch.optim.AdamW(blocks, lr=LR, eps=EPS), torch.optim.AdamW(rest, lr=LR, eps=EPS)
+            # the rest split in two: the embedding's, and the head's (a tied head: the embedding's); one left
+            # with nothing to train (frozen) is not made, as a user would not make it
+            embed = [p for n, p in self.net.named_parameters() if n.startswith("embed.") and p.requires_grad]
+            head = [p for p in rest if all(p is not q for q in embed)]
+            return tuple(torch.optim.AdamW(g, lr=LR, eps=EPS) for g in (blocks, embed, head) if g)
         params = [p for p in self.parameters() if p.requires_grad]
         if self.features.get("sgd"):
             return torch.optim.SGD(params, lr=0.5, momentum=0.9)

@@ -251,6 +251,12 @@ SCENARIOS = [
         trainer=dict(gradient_clip_val=0.05),
     ),
     Scenario(
+        "manual-three",
+        "three optimizers by hand (the blocks', the embedding's, the head's), each stepped after its own "
+        "forward and backward, each forward reading what the steps before it wrote",
+        features=dict(manual=True, three=True),
+    ),
+    Scenario(
         "manual-overlap",
         "two optimizers stepped by hand after one backward (a Muon + AdamW loop), sharing one parameter (the "
         "last vector), each stepping it with its own state",
@@ -527,6 +533,7 @@ REFUSED: dict[str, list[tuple[Any, str]]] = {
     "manual-accumulate": [(_pipelined, "manual optimization (automatic_optimization=False) cannot run")],
     "manual-closure": [(_pipelined, "manual optimization (automatic_optimization=False) cannot run")],
     "manual-split": [(_pipelined, "manual optimization (automatic_optimization=False) cannot run")],
+    "manual-three": [(_pipelined, "manual optimization (automatic_optimization=False) cannot run")],
     "manual-overlap": [(_pipelined, "manual optimization (automatic_optimization=False) cannot run")],
     "manual-one-owner": [(_pipelined, "which different pipeline stages hold (tied weights)")],
     "manual-read-grads": [(_pipelined, "manual optimization (automatic_optimization=False) cannot run")],

@@ -77,6 +77,10 @@ def test_drawn_cases_are_valid_on_one_process_and_shrunk_ones_train_the_same_mod
         assert not ({"finetuning", "frozen", "tied"} <= names and frozen >= generate.REST_FROZEN), (
             case.describe()
         )
+        assert not (
+            "detach" in names
+            and (case.way.name == "manual-toggle" or generate._all_frozen(list(case.features), seed))
+        ), case.describe()  # the detached loss would reach nothing trainable
         scenario = case.scenario()
         if scenario.features.get("manual"):  # each optimizer has something to step
             module = ConformanceModule(draw_shape(0, scenario.shape_of), scenario.features)

@@ -35,7 +35,7 @@ def test_an_optimizer_holding_no_state_gives_none_and_keeps_none() -> None:
 
 def test_a_template_has_every_state_and_the_optimizer_keeps_none() -> None:
     model, optimizer = _model_and_optimizer()
-    template = optimizer_state_dict(model, optimizer, StateDictOptions(), made_up=True)
+    template = optimizer_state_dict(model, optimizer, StateDictOptions(), keep="every")
     assert sorted(template["state"]) == sorted(n for n, _ in model.named_parameters())
     assert not optimizer.state
 
@@ -53,3 +53,25 @@ def test_the_states_held_are_given_whole_and_no_other() -> None:
     assert sorted({k.split(".")[1] for k in flat if k.startswith("state.")}) == ["1"]
     assert {k for k in flat if k.startswith("param_groups.0.")}  # every parameter's settings stay
     assert len(optimizer.state) == 2
+
+
+def test_a_checkpoint_of_a_parameter_never_stepped_resumes_without_its_state(tmp_path) -> None:
+    """Saved, the never-stepped parameter has no state; resumed into a fresh optimizer it gets none either
+    (torch's set_optimizer_state_dict alone fails on such a dict, and the template used to ask the
+    checkpoint for it), and the next steps equal those of the run that kept going."""
+    from megascale.lightning import checkpoint_io
+
+    model, optimizer = _model_and_optimizer()
+    model[1](torch.randn(5, 4)).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    checkpoint_io.save(tmp_path / "ckpt", model, [optimizer], {}, is_global_zero=True, barrier=lambda: None)
+    again, fresh = _model_and_optimizer()
+    checkpoint_io.load(tmp_path / "ckpt", again, [fresh])
+    assert set(fresh.state) == {again[1].weight, again[1].bias}
+    for m, opt in ((model, optimizer), (again, fresh)):
+        torch.manual_seed(1)
+        m(torch.randn(5, 3)).sum().backward()
+        opt.step()
+    for p, q in zip(model.parameters(), again.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)

@@ -53,7 +53,7 @@ from torch.optim import Optimizer
 from megascale.core import GPT, GPTConfig
 from megascale.core.parallel.zero.optimizer_state import optimizer_params
 from megascale.lightning import one_file_checkpoint
-from megascale.lightning.optimizer_state_dict import optimizer_state_dict
+from megascale.lightning.optimizer_state_dict import Keep, keep_states, names_by_param, optimizer_state_dict
 
 __all__ = [
     "LAYOUT_KEY",
@@ -95,19 +95,50 @@ def _states(
     before_optimizer_state: Callable[[Optimizer], None],
     unstepped: Sequence[int] = (),
     *,
-    template: Callable[[Optimizer], bool] = lambda _: False,
+    template: Callable[[Optimizer], bool] | None = None,
+    owned: list[set[str] | None] | None = None,
+    owned_only: bool = False,
 ) -> dict[str, Any]:
-    """The model's and optimizers' DCP state dicts; ``template(optimizer)``: a template to load every state of
-    it into (states made up for parameters that hold none yet), else the states held (to save, or to load a
-    ZeRO-1 rank's own)."""
+    """The model's and optimizers' DCP state dicts: the states held (to save), or with ``template`` one to
+    load into, a state for every parameter (made up where there is none); where ``template(optimizer)`` is
+    False (a ZeRO-1 rank, holding the states it owns) ``owned`` gets the names of those (else None), and with
+    ``owned_only`` the dict holds those alone."""
     state: dict[str, Any] = {MODEL_KEY: get_model_state_dict(model)}
     for i, optimizer in enumerate(optimizers):
-        before_optimizer_state(optimizer)
-        optimizer_state = optimizer_state_dict(model, optimizer, _options(True), made_up=template(optimizer))
+        names: set[str] | None = None if template is None or template(optimizer) else set()
+        keep: Keep = (
+            "held" if template is None else "prepared" if names is not None and owned_only else "every"
+        )
+        optimizer_state = optimizer_state_dict(
+            model, optimizer, _options(True), prepare=before_optimizer_state, keep=keep, prepared_names=names
+        )
+        if owned is not None:
+            owned.append(names)
         if i in unstepped:  # the state DCP just made up (zero buffers) is none a run holds: not written
             optimizer_state = _without_state(optimizer_state)
         state[f"optimizer_{i}"] = optimizer_state
     return state
+
+
+def _to_load(path: Path, state: dict[str, Any], owned: list[set[str] | None]) -> dict[str, Any]:
+    """``state`` less the optimizer states this rank does not load: those of parameters another rank owns
+    (``owned``: a ZeRO-1 rank's own, None: all), and those the checkpoint has none of (a parameter that had
+    no state in the run that saved it, never stepped, gets none here either, as on one process)."""
+    saved = FileSystemReader(path).read_metadata().state_dict_metadata
+    out = dict(state)
+    for i, names in enumerate(owned):
+        key = f"optimizer_{i}"
+        out[key] = {
+            k: v
+            for k, v in state[key].items()
+            if not k.startswith("state.")
+            or (f"{key}.{k}" in saved and (names is None or _state_name(k) in names))
+        }
+    return out
+
+
+def _state_name(key: str) -> str:
+    return key.removeprefix("state.").rpartition(".")[0]  # "state.<name>.<key>": <name>
 
 
 def _without_state(optimizer_state: dict[str, Any]) -> dict[str, Any]:
@@ -154,7 +185,7 @@ def states(
     shards), for a checkpointer that writes them itself; load into them in place, then `apply_states`.
     ``holds_all_states(optimizer)``: False where a rank holds the states of some parameters only (ZeRO-1),
     whose dict then holds those alone."""
-    return _states(model, optimizers, before_optimizer_state, template=holds_all_states)
+    return _states(model, optimizers, before_optimizer_state, template=holds_all_states, owned_only=True)
 
 
 def apply_states(
@@ -165,11 +196,23 @@ def apply_states(
     strict: bool = True,
     holds_all_states: Callable[[Optimizer], bool] = lambda _: True,
 ) -> None:
-    """Set model and optimizer states from ``state`` (a `states` dict whose tensors were loaded in place)."""
+    """Set model and optimizer states from ``state`` (a `states` dict whose tensors were loaded in place). A
+    parameter ``state`` has no optimizer state for (none saved: never stepped; a ZeRO-1 rank's others') is
+    left without one."""
     set_model_state_dict(model, state[MODEL_KEY], options=_options(strict))
     for i, optimizer in enumerate(optimizers):
+        given = state[f"optimizer_{i}"]
         options = _options(strict=holds_all_states(optimizer))
-        set_optimizer_state_dict(model, optimizer, state[f"optimizer_{i}"], options=options)
+        named = {_state_name(k) for k in given if k.startswith("state.")}
+        by_param = names_by_param(model)
+        if all(by_param.get(id(p), set()) & named for p in optimizer_params(optimizer) if p.requires_grad):
+            set_optimizer_state_dict(model, optimizer, given, options=options)
+            continue
+        # torch's set_optimizer_state_dict needs a state for each parameter (it makes them up for an optimizer
+        # holding none): those not given are set as made up here, and forgotten right after
+        every = optimizer_state_dict(model, optimizer, _options(True), keep="every")
+        set_optimizer_state_dict(model, optimizer, {**every, **given}, options=options)
+        keep_states(model, optimizer, named)
 
 
 def save(
@@ -232,19 +275,15 @@ def load(
             "): it was probably interrupted while saving; resume from an earlier one"
         )
     meta = torch.load(path / META_FILE, weights_only=True, map_location="cpu")
-    state = _states(model, optimizers, before_optimizer_state, template=holds_all_states)
+    owned: list[set[str] | None] = []
+    template = _states(model, optimizers, before_optimizer_state, template=holds_all_states, owned=owned)
     if not optimizers:
-        state = {MODEL_KEY: state[MODEL_KEY]}
-    # an optimizer no rank had stepped was saved without state; the state its template made up is set
-    # (set_optimizer_state_dict expects it) and dropped again (_forget_unstepped)
-    made_up = {f"optimizer_{i}": state[f"optimizer_{i}"] for i in meta.get(UNSTEPPED_KEY, ())}
-    state.update({key: _without_state(value) for key, value in made_up.items()})
+        template = {MODEL_KEY: template[MODEL_KEY]}
+    state = _to_load(path, template, owned)
     _refuse_unloadable(path, state, meta.get(LAYOUT_KEY), layout)
     dcp.load(state, checkpoint_id=path)
-    for key, template in made_up.items():
-        state[key] = {**template, **state[key]}
     apply_states(model, optimizers, state, strict=strict, holds_all_states=holds_all_states)
-    _forget_unstepped(optimizers, meta)
+    meta.pop(UNSTEPPED_KEY, None)
     return meta
 
 

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.optim import Optimizer
 from torch.utils._pytree import tree_map
 
-from megascale.lightning.optimizer_state_dict import optimizer_state_dict
+from megascale.lightning.optimizer_state_dict import keep_states, optimizer_state_dict
 
 __all__ = ["gathered_checkpoint", "load_into"]
 
@@ -55,9 +55,11 @@ def gathered_checkpoint(
     rank of its pipeline stage; for optimizer states also each ZeRO-1 owner)."""
     weights = _on_cpu(get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)))
     states = []
+    options = StateDictOptions(full_state_dict=True)
     for optimizer in optimizers:
-        before_optimizer_state(optimizer)
-        states.append(_on_cpu(optimizer_state_dict(model, optimizer, StateDictOptions(full_state_dict=True))))
+        states.append(
+            _on_cpu(optimizer_state_dict(model, optimizer, options, prepare=before_optimizer_state))
+        )
     piece = (weights if sends_model else {}, states if sends_optimizers else None)
     pieces: list[Any] = [piece]
     if dist.is_available() and dist.is_initialized():
@@ -175,10 +177,10 @@ def load_into(
         )
     wholes = []
     for optimizer, saved in zip(optimizers, saved_states):
-        before_optimizer_state(optimizer)
         # a ZeRO-1 rank loads the states it owns; any other, a state for each parameter the file has one for
+        keep = "every" if holds_all_states(optimizer) else "prepared"
         template = optimizer_state_dict(
-            model, optimizer, StateDictOptions(), made_up=holds_all_states(optimizer)
+            model, optimizer, StateDictOptions(), prepare=before_optimizer_state, keep=keep
         )
         state, settings = _by_name(saved, template)
         # a parameter without state in the file had none in that run (never stepped): it gets none here either
@@ -204,3 +206,5 @@ def load_into(
     for optimizer, whole in zip(optimizers, wholes):
         options = StateDictOptions(full_state_dict=True, strict=holds_all_states(optimizer))
         set_optimizer_state_dict(model, optimizer, cast(Any, whole), options=options)
+        # torch makes up a state for every parameter it is given none for: not one a run would hold
+        keep_states(model, optimizer, set(whole["state"]))

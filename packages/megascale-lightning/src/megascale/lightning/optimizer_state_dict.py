@@ -9,7 +9,8 @@ that never steps them, written again at the next save.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Literal
 
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -21,7 +22,7 @@ from torch.optim import Optimizer
 
 from megascale.core.parallel.zero.optimizer_state import optimizer_params
 
-__all__ = ["optimizer_state_dict", "unwritable_state"]
+__all__ = ["Keep", "keep_states", "names_by_param", "names_of", "optimizer_state_dict", "unwritable_state"]
 
 
 def unwritable_state(optimizer: Optimizer, error: NotImplementedError) -> ValueError:
@@ -34,13 +35,28 @@ def unwritable_state(optimizer: Optimizer, error: NotImplementedError) -> ValueE
     )
 
 
+Keep = Literal["held", "prepared", "every"]
+
+
 def optimizer_state_dict(
-    model: nn.Module, optimizer: Optimizer, options: StateDictOptions, *, made_up: bool = False
+    model: nn.Module,
+    optimizer: Optimizer,
+    options: StateDictOptions,
+    *,
+    prepare: Callable[[Optimizer], None] = lambda _: None,
+    keep: Keep = "held",
+    prepared_names: set[str] | None = None,
 ) -> dict[str, Any]:
-    """``get_optimizer_state_dict(model, optimizer, options=options)`` with states only for the parameters
-    that hold one now (``made_up``: also those DCP creates, a template to load a rank's every state into).
-    The optimizer itself is left holding the states it held. Nested or flattened (``options``) alike."""
+    """``get_optimizer_state_dict(model, optimizer, options=options)`` after ``prepare(optimizer)`` (ZeRO-1:
+    states made whole, or created for the parameters a rank owns), holding the states of the parameters
+    that ``keep`` says: "held" those the optimizer held before (what a run has: to save), "prepared" those
+    it holds after ``prepare`` (a ZeRO-1 rank's own: a template to load them into), "every" every
+    parameter's (DCP's template for a rank that loads all). The optimizer is left holding the states it
+    held before. Nested or flattened (``options``) alike. ``prepared_names``: filled with the names of the
+    parameters holding a state after ``prepare``."""
     held = {id(p) for p in optimizer_params(optimizer) if optimizer.state.get(p)}
+    prepare(optimizer)
+    prepared = {id(p) for p in optimizer_params(optimizer) if optimizer.state.get(p)}
     try:
         state = dict(get_optimizer_state_dict(model, optimizer, options=options))
     except NotImplementedError as error:  # torch's message speaks of flattening, not of the optimizer
@@ -49,14 +65,12 @@ def optimizer_state_dict(
         for p in optimizer_params(optimizer):
             if id(p) not in held:
                 optimizer.state.pop(p, None)
-    if made_up or len(held) == len(optimizer_params(optimizer)):
+    if prepared_names is not None:
+        prepared_names.update(names_of(model, prepared))
+    kept = {"held": held, "prepared": prepared}.get(keep)
+    if kept is None or len(kept) == len(optimizer_params(optimizer)):
         return state
-    names = {
-        fqn
-        for name, p in model.named_parameters(remove_duplicate=False)
-        if id(p) in held
-        for fqn in _get_fqns(model, name)
-    }
+    names = names_of(model, kept)
     if "state" in state:  # nested: {"state": {name: {...}}, "param_groups": [...]}
         return {**state, "state": {n: v for n, v in state["state"].items() if n in names}}
     # flattened: "state.<name>.<key>", "param_groups.<name>.<key>"
@@ -65,3 +79,24 @@ def optimizer_state_dict(
         for key, value in state.items()
         if not key.startswith("state.") or key.removeprefix("state.").rpartition(".")[0] in names
     }
+
+
+def names_by_param(model: nn.Module) -> dict[int, set[str]]:
+    """id(parameter) -> its state-dict names (every name of a shared parameter)."""
+    names: dict[int, set[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), set()).update(_get_fqns(model, name))
+    return names
+
+
+def names_of(model: nn.Module, params: set[int]) -> set[str]:
+    """The state-dict names of the parameters of ``model`` whose ids are in ``params``."""
+    return {name for i, names in names_by_param(model).items() if i in params for name in names}
+
+
+def keep_states(model: nn.Module, optimizer: Optimizer, names: set[str]) -> None:
+    """Forget ``optimizer``'s states of the parameters none of whose names is in ``names``."""
+    by_param = names_by_param(model)
+    for p in optimizer_params(optimizer):
+        if not by_param.get(id(p), set()) & names:
+            optimizer.state.pop(p, None)
