@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.optim import Optimizer
 from torch.utils._pytree import tree_map
 
-from megascale.lightning.optimizer_state_dict import keep_states, optimizer_state_dict
+from megascale.lightning.optimizer_state_dict import Keep, keep_states, optimizer_state_dict
 
 __all__ = ["gathered_checkpoint", "load_into"]
 
@@ -178,7 +178,7 @@ def load_into(
     wholes = []
     for optimizer, saved in zip(optimizers, saved_states):
         # a ZeRO-1 rank loads the states it owns; any other, a state for each parameter the file has one for
-        keep = "every" if holds_all_states(optimizer) else "prepared"
+        keep: Keep = "every" if holds_all_states(optimizer) else "prepared"
         template = optimizer_state_dict(
             model, optimizer, StateDictOptions(), prepare=before_optimizer_state, keep=keep
         )

@@ -71,8 +71,9 @@ def optimizer_state_dict(
     if kept is None or len(kept) == len(optimizer_params(optimizer)):
         return state
     names = names_of(model, kept)
-    if "state" in state:  # nested: {"state": {name: {...}}, "param_groups": [...]}
-        return {**state, "state": {n: v for n, v in state["state"].items() if n in names}}
+    nested = state.get("state")  # nested: {"state": {name: {...}}, "param_groups": [...]}
+    if isinstance(nested, dict):
+        return {**state, "state": {n: v for n, v in nested.items() if n in names}}
     # flattened: "state.<name>.<key>", "param_groups.<name>.<key>"
     return {
         key: value
