@@ -44,6 +44,7 @@ class Feature:
     takes: tuple[str, ...] = ()
     validate: bool = False
     saves: bool = False
+    resumes: bool = False
     bf16: bool = False
 
 
@@ -104,6 +105,7 @@ FEATURES = (
     Feature(
         "three-optimizers", "manual-three", features=dict(three=True), takes=("manual-two", "manual-toggle")
     ),
+    Feature("resumes", "plain", resumes=True),  # killed at the first epoch's end, resumed by a new Trainer
 )
 # what cannot go together, on one process too: LR schedulers made before BaseFinetuning adds a param group
 EXCLUSIVE = ({"accumulate-2", "accumulate-3"}, {"clip-norm", "clip-value"}, {"schedulers", "finetuning"})
@@ -146,6 +148,7 @@ class Case:
             self.name, self.describe(), features=features, trainer=trainer,
             callbacks=tuple(c for part in parts for c in part.callbacks),
             validate=any(p.validate for p in parts), saves=any(p.saves for p in parts),
+            resumes=any(p.resumes for p in parts),
             bf16=any(p.bf16 for p in parts), shape_of=f"{PREFIX}{self.seed}",  # shrunk: the same model
         )  # fmt: skip
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch import Trainer, seed_everything
+from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -111,7 +111,15 @@ def _mesh(layout: Layout) -> Any:
     return _MESHES[key]
 
 
-def run_job(job: dict[str, Any]) -> dict[str, Any]:
+class StopAfterFirstEpoch(Callback):
+    """Ends the fit at the first epoch's end, as a run killed there would (its checkpoint just written)."""
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: Any) -> None:
+        trainer.should_stop = True
+
+
+def _fit(job: dict[str, Any], resume_from: str | None, stop_early: bool) -> dict[str, Any]:
+    """One ``Trainer.fit`` of the job's scenario (from ``resume_from``, or stopped after the first epoch)."""
     scenario = scenario_named(job["scenario"])
     layout = LAYOUT[job["layout"]] if job["layout"] else None
     work = Path(job["work"])
@@ -120,9 +128,12 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     module = ConformanceModule(draw_shape(job["seed"], scenario.shape_of or scenario.name), features)
     recorder = Recorder()
     callbacks = [recorder, *make_callbacks(scenario.callbacks)]
-    if scenario.saves:
+    saves = scenario.saves or scenario.resumes
+    if saves:
         callbacks.append(ModelCheckpoint(dirpath=work / "epochs", filename="{epoch}", every_n_epochs=1,
                                          save_top_k=-1, save_on_train_epoch_end=True))  # fmt: skip
+    if stop_early:
+        callbacks.append(StopAfterFirstEpoch())
     if layout is None:
         strategy: Any = "auto"
     else:
@@ -137,25 +148,41 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         flags["limit_val_batches"] = 0
     trainer = Trainer(
         accelerator="cpu", devices=layout.world if layout else 1, strategy=strategy, logger=False,
-        enable_checkpointing=scenario.saves, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=saves, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, precision="bf16-mixed" if scenario.bf16 else "32-true", callbacks=callbacks,
         **flags,
     )  # fmt: skip
     train, val = _loaders(layout.dp if layout else None, bool(features.get("documents")))
     init = None
-    if layout is None:  # one process: the initial weights, from which every layout's updates are measured
+    if layout is None and resume_from is None:  # one process: the initial weights, the updates' origin
         module.configure_model()
         init = {n: p.detach().float().clone() for n, p in module.named_parameters()}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer.fit(module, train_dataloaders=train, val_dataloaders=val, ckpt_path=job.get("resume_from"))
-    result = _record(trainer, module, recorder, callbacks, work, [str(w.message) for w in caught])
+        trainer.fit(module, train_dataloaders=train, val_dataloaders=val, ckpt_path=resume_from)
+    return dict(trainer=trainer, module=module, recorder=recorder, callbacks=callbacks, init=init,
+                warned=[str(w.message) for w in caught])  # fmt: skip
+
+
+def run_job(job: dict[str, Any]) -> dict[str, Any]:
+    scenario = scenario_named(job["scenario"])
+    work = Path(job["work"])
+    if scenario.resumes:  # killed at the first epoch's end, resumed from its checkpoint by a new Trainer
+        first = _fit(job, None, stop_early=True)
+        fit = _fit(job, str(work / "epochs" / "epoch=0.ckpt"), stop_early=False)
+        fit["recorder"].steps[:0] = first["recorder"].steps
+        fit["recorder"].validations[:0] = first["recorder"].validations
+        fit["warned"] += first["warned"]
+        fit["init"] = first["init"]
+    else:
+        fit = _fit(job, job.get("resume_from"), stop_early=False)
+    result = _record(fit["trainer"], fit["module"], fit["recorder"], fit["callbacks"], work, fit["warned"])
     if scenario.strategy.get("save_distributed_checkpoint") is False:  # what Lightning's readers take
         written = [work / "end.ckpt", *sorted((work / "epochs").iterdir())]
         if not all(path.is_file() for path in written):
             raise AssertionError(f"not one file each: {[p.name for p in written if not p.is_file()]}")
-    if init is not None:
-        result["init"] = init
+    if fit["init"] is not None:
+        result["init"] = fit["init"]
     return result
 
 

@@ -97,6 +97,7 @@ class Scenario:
     callbacks: tuple[str, ...] = ()
     validate: bool = False
     saves: bool = False
+    resumes: bool = False  # killed at the first epoch's end and resumed from its checkpoint by a new Trainer
     bf16: bool = False
     tp_only: bool = False  # only meaningful where tp > 1 (a tensor_parallel_plan's edge)
     # only meaningful where each rank's training_step sees its whole samples and the model has no experts
