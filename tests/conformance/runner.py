@@ -114,6 +114,9 @@ def _mesh(layout: Layout) -> Any:
 class StopAfterFirstEpoch(Callback):
     """Ends the fit at the first epoch's end, as a run killed there would (its checkpoint just written)."""
 
+    reads_weights_between_steps = False
+    reads_gradients = False
+
     def on_train_epoch_end(self, trainer: Trainer, pl_module: Any) -> None:
         trainer.should_stop = True
 

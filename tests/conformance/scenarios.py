@@ -139,6 +139,17 @@ SCENARIOS = [
         callbacks=("finetune",),
     ),
     Scenario(
+        "finetuning-groups-resumed",
+        "BaseFinetuning with AdamW's groups (matrices decayed, vectors not), killed at the first epoch's end and "
+        "resumed (generated case gen-110: under pp2 the first stage holds no trainable vector, an empty group "
+        "torch's loader failed on)",
+        features=dict(eager=True, optimizer="groups"),
+        trainer=dict(max_epochs=3),
+        callbacks=("finetune",),
+        resumes=True,
+        shape_of="gen-110",  # two blocks, both frozen: the first stage's trainable parameter is the embedding
+    ),
+    Scenario(
         "finetuning-bf16",
         "BaseFinetuning under bf16-mixed (SGD with momentum): blocks frozen when first run, unfrozen at epoch 1, "
         "their gradients then reduced in fp32 as the others'",
@@ -318,6 +329,14 @@ SCENARIOS = [
     Scenario(
         "read-grads-after",
         "the same callback reading them after the step, in on_train_batch_end",
+        callbacks=("read_grads_after",),
+    ),
+    Scenario(
+        "skip-last-read-after",
+        "one epoch whose last batch skips its step, gradients read after each batch (generated case gen-871, "
+        "resumed at the epoch's end: no batch followed to warn)",
+        features=dict(skip_odd_steps=True),
+        trainer=dict(max_epochs=1),
         callbacks=("read_grads_after",),
     ),
     Scenario(
@@ -591,6 +610,10 @@ WARNED: dict[str, list[tuple[Any, str]]] = {
     "read-grads": [(lambda layout: layout.pp > 1, "covers this stage only")],
     "read-grads-after": [(lambda layout: layout.pp > 1, "covers this stage only")],
     "read-grads-backward": [(lambda layout: layout.pp > 1, "covers this stage only")],
+    "skip-last-read-after": [
+        (lambda layout: layout.pp > 1, "covers this stage only"),
+        (lambda layout: True, "each rank's own partial sums"),
+    ],
 }
 
 

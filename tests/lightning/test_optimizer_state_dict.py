@@ -75,3 +75,28 @@ def test_a_checkpoint_of_a_parameter_never_stepped_resumes_without_its_state(tmp
         opt.step()
     for p, q in zip(model.parameters(), again.parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+def test_a_param_group_without_parameters_resumes_with_its_own_settings(tmp_path) -> None:
+    """A pipeline stage holds none of a group's parameters (gen-110 under pp2): torch's
+    set_optimizer_state_dict read that group's settings from its first parameter (IndexError); the group now
+    keeps its own and the others load."""
+    from megascale.lightning import checkpoint_io
+
+    def make() -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+        groups = [{"params": list(model.parameters())}, {"params": [], "lr": 0.5}]
+        return model, torch.optim.AdamW(groups, lr=0.1)
+
+    model, optimizer = make()
+    model(torch.randn(5, 3)).sum().backward()
+    optimizer.step()
+    optimizer.param_groups[0]["lr"] = 0.05  # as a scheduler would have set it
+    checkpoint_io.save(tmp_path / "ckpt", model, [optimizer], {}, is_global_zero=True, barrier=lambda: None)
+    again, fresh = make()
+    checkpoint_io.load(tmp_path / "ckpt", again, [fresh])
+    assert [g["lr"] for g in fresh.param_groups] == [0.05, 0.5]
+    assert [len(g["params"]) for g in fresh.param_groups] == [4, 0]
+    for p, q in zip(model.parameters(), again.parameters()):
+        torch.testing.assert_close(fresh.state[q]["exp_avg"], optimizer.state[p]["exp_avg"], rtol=0, atol=0)

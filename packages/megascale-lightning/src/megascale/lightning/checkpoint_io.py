@@ -205,14 +205,34 @@ def apply_states(
         options = _options(strict=holds_all_states(optimizer))
         named = {_state_name(k) for k in given if k.startswith("state.")}
         by_param = names_by_param(model)
-        if all(by_param.get(id(p), set()) & named for p in optimizer_params(optimizer) if p.requires_grad):
-            set_optimizer_state_dict(model, optimizer, given, options=options)
-            continue
-        # torch's set_optimizer_state_dict needs a state for each parameter (it makes them up for an optimizer
-        # holding none): those not given are set as made up here, and forgotten right after
-        every = optimizer_state_dict(model, optimizer, _options(True), keep="every")
-        set_optimizer_state_dict(model, optimizer, {**every, **given}, options=options)
-        keep_states(model, optimizer, named)
+        with _without_empty_groups(optimizer):
+            if all(
+                by_param.get(id(p), set()) & named for p in optimizer_params(optimizer) if p.requires_grad
+            ):
+                set_optimizer_state_dict(model, optimizer, given, options=options)
+                continue
+            # torch's set_optimizer_state_dict needs a state for each parameter (it makes them up for an
+            # optimizer holding none): those not given are set as made up here, and forgotten right after
+            every = optimizer_state_dict(model, optimizer, _options(True), keep="every")
+            set_optimizer_state_dict(model, optimizer, {**every, **given}, options=options)
+            keep_states(model, optimizer, named)
+
+
+@contextmanager
+def _without_empty_groups(optimizer: Optimizer) -> Iterator[None]:
+    """Param groups without parameters (under pp, a group whose parameters all live on other stages) hidden
+    from torch's set_optimizer_state_dict, which reads each group's settings from its first parameter's
+    (IndexError on an empty one); they keep their own settings, none being saved for them."""
+    groups = optimizer.param_groups
+    if all(g["params"] for g in groups):
+        yield
+        return
+    optimizer.param_groups = [g for g in groups if g["params"]]
+    try:
+        yield
+    finally:
+        loaded = iter(optimizer.param_groups)  # new dicts: load_state_dict replaced them
+        optimizer.param_groups = [next(loaded) if g["params"] else g for g in groups]
 
 
 def save(

@@ -678,6 +678,12 @@ class MegaScaleStrategy(ParallelStrategy):
             self._runtime.zero.wait_for_params()
 
     @override
+    def on_train_end(self) -> None:
+        # a fit whose last batch did not step (no batch follows it to see that): its readers read partial sums
+        self._warn_if_unstepped()
+        self._batch_began = False
+
+    @override
     def on_validation_start(self) -> None:
         self._wait_for_params()
 
