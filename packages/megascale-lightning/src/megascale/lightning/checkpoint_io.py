@@ -77,8 +77,8 @@ __all__ = [
 META_FILE = "meta.pt"
 LAYOUT_KEY = "megascale_layout"  # in meta.pt: the layout that saved the checkpoint (``layout_name``)
 MODEL_KEY = "state_dict"
-# in meta.pt: the optimizers that had not stepped when saved; their states (created to be saved) are dropped
-# again at load, so a run resumed from before its first step steps as the run that saved it would have
+# in meta.pt of checkpoints written before saves kept only the states held (2026-12-07): the optimizers that
+# had not stepped, whose written (made-up) states are dropped again at load
 UNSTEPPED_KEY = "megascale_unstepped_optimizers"
 ONE_FILE_FORMAT = "megascale-gpt-v1"
 
@@ -93,7 +93,6 @@ def _states(
     model: nn.Module,
     optimizers: Sequence[Optimizer],
     before_optimizer_state: Callable[[Optimizer], None],
-    unstepped: Sequence[int] = (),
     *,
     template: Callable[[Optimizer], bool] | None = None,
     owned: list[set[str] | None] | None = None,
@@ -114,8 +113,6 @@ def _states(
         )
         if owned is not None:
             owned.append(names)
-        if i in unstepped:  # the state DCP just made up (zero buffers) is none a run holds: not written
-            optimizer_state = _without_state(optimizer_state)
         state[f"optimizer_{i}"] = optimizer_state
     return state
 
@@ -139,35 +136,6 @@ def _to_load(path: Path, state: dict[str, Any], owned: list[set[str] | None]) ->
 
 def _state_name(key: str) -> str:
     return key.removeprefix("state.").rpartition(".")[0]  # "state.<name>.<key>": <name>
-
-
-def _without_state(optimizer_state: dict[str, Any]) -> dict[str, Any]:
-    return {key: value for key, value in optimizer_state.items() if not key.startswith("state.")}
-
-
-@contextmanager
-def _no_new_optimizer_state(optimizers: Sequence[Optimizer]) -> Iterator[None]:
-    """Taking an optimizer's state dict creates state for parameters that have none: torch.distributed.checkpoint
-    steps an optimizer without any once, at learning rate 0, and ZeRO-1 creates the states a rank owns. A save
-    drops them again when it is written, so it never changes training (Adam's first real step would count 2)."""
-    had = [{id(p) for p in optimizer_params(o) if o.state.get(p)} for o in optimizers]
-    try:
-        yield
-    finally:
-        for optimizer, ids in zip(optimizers, had):
-            for p in optimizer_params(optimizer):
-                if id(p) not in ids:
-                    optimizer.state.pop(p, None)
-
-
-def _unstepped(optimizers: Sequence[Optimizer]) -> list[int]:
-    """The optimizers holding no state on any rank (none has stepped yet)."""
-    stepped = [any(o.state.get(p) for p in optimizer_params(o)) for o in optimizers]
-    if dist.is_available() and dist.is_initialized():
-        every: list[list[bool] | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(every, stepped)  # any backend (a CPU tensor would not do under NCCL)
-        stepped = [any(rank[i] for rank in every if rank is not None) for i in range(len(stepped))]
-    return [i for i, s in enumerate(stepped) if not s]
 
 
 def _forget_unstepped(optimizers: Sequence[Optimizer], meta: dict[str, Any]) -> None:
@@ -200,11 +168,11 @@ def apply_states(
     parameter ``state`` has no optimizer state for (none saved: never stepped; a ZeRO-1 rank's others') is
     left without one."""
     set_model_state_dict(model, state[MODEL_KEY], options=_options(strict))
+    by_param = names_by_param(model)
     for i, optimizer in enumerate(optimizers):
         given = state[f"optimizer_{i}"]
         options = _options(strict=holds_all_states(optimizer))
         named = {_state_name(k) for k in given if k.startswith("state.")}
-        by_param = names_by_param(model)
         with _without_empty_groups(optimizer):
             if all(
                 by_param.get(id(p), set()) & named for p in optimizer_params(optimizer) if p.requires_grad
@@ -255,10 +223,8 @@ def save(
             raise FileExistsError(f"{path} exists and is not a megascale checkpoint: not overwriting it")
         path.mkdir(parents=True, exist_ok=True)
     barrier()
-    unstepped = _unstepped(optimizers)
-    lightning_state = {**lightning_state, UNSTEPPED_KEY: unstepped}
-    with _no_new_optimizer_state(optimizers):
-        dcp.save(_states(model, optimizers, before_optimizer_state, unstepped), checkpoint_id=path)
+    # (the states held only: an optimizer that has not stepped writes none, as DCP would make them up)
+    dcp.save(_states(model, optimizers, before_optimizer_state), checkpoint_id=path)
     if is_global_zero:
         # written last: a directory without meta.pt is an incomplete checkpoint (is_checkpoint is False)
         tmp = path / (META_FILE + ".tmp")
@@ -322,12 +288,10 @@ def save_one_file(
 ) -> None:
     """Write ``path`` as one file in Lightning's form (``one_file_checkpoint``) collectively: gathered onto
     global rank 0, which writes it with ``write(checkpoint, path)`` (a ``CheckpointIO.save_checkpoint``)."""
-    lightning_state = {**lightning_state, UNSTEPPED_KEY: _unstepped(optimizers)}
-    with _no_new_optimizer_state(optimizers):
-        whole = one_file_checkpoint.gathered_checkpoint(
-            model, optimizers, sends_model=sends_model, sends_optimizers=sends_optimizers,
-            before_optimizer_state=before_optimizer_state,
-        )  # fmt: skip
+    whole = one_file_checkpoint.gathered_checkpoint(
+        model, optimizers, sends_model=sends_model, sends_optimizers=sends_optimizers,
+        before_optimizer_state=before_optimizer_state,
+    )  # fmt: skip
     if is_global_zero:
         assert whole is not None
         local = Path(path)
