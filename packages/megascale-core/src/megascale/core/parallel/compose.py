@@ -66,6 +66,7 @@ from megascale.core.parallel.zero import UnitTree, ZeroRuntime, apply_zero, appl
 
 if TYPE_CHECKING:
     from megascale.core.parallel.pp.apply import Pipeline, StageModule  # torch pipelining: imported when used
+    from megascale.core.parallel.pp.tied import TiedCopies
     from megascale.core.parallel.tp.region_check import RegionCheck
 
 __all__ = ["CheckpointLayout", "ParallelRuntime", "parallelize"]
@@ -106,6 +107,14 @@ class ParallelRuntime:
     expert_mesh: DeviceMesh | None = None
     #: with ep > 1: this rank's MoE layers' all-to-all dispatchers (their waits are timed)
     ep_dispatchers: list[WaitTimed] = field(default_factory=list)
+    #: weights tied across the first and last pipeline stage (``parallelize(sum_tied_gradients=True)``)
+    tied: TiedCopies | None = None
+
+    def sum_tied_gradients(self) -> None:
+        """Every rank, once per optimizer step, after backward and ``zero.after_backward()``: the gradients of
+        weights tied across the first and last pipeline stage summed over the two (nothing without such)."""
+        if self.tied is not None:
+            self.tied.sum_gradients()
 
     def check_first_step(self) -> None:
         """Every rank, after the first step's backward and before its optimizer step: raise, on every rank,
@@ -174,6 +183,7 @@ def parallelize(
     *,
     device: torch.device | str,
     param_dtype: torch.dtype | None = None,
+    sum_tied_gradients: bool = False,
 ) -> ParallelRuntime:
     """Apply ``plan`` to ``module`` in place, in the order of the module docstring; every rank calls it.
 
@@ -184,6 +194,10 @@ def parallelize(
         mesh: the ("dp", "pp", "cp", "tp") mesh (``ParallelDims.build_mesh``).
         device: where materialised and moved tensors go.
         param_dtype: ZeRO-2/3 gather parameters in this dtype (bf16 under mixed precision).
+        sum_tied_gradients: weights tied across the first and last pipeline stage (tied embeddings) are
+            allowed: the last stage holds a copy, and the training loop calls the runtime's
+            ``sum_tied_gradients()`` once per optimizer step, after backward and ``zero.after_backward()``
+            (``pp/tied.py``). Refused otherwise.
     """
     cp = mesh["cp"].size() if "cp" in (mesh.mesh_dim_names or ()) else 1
     dims = ParallelDims(dp=mesh["dp"].size(), pp=mesh["pp"].size(), tp=mesh["tp"].size(), cp=cp)
@@ -192,7 +206,7 @@ def parallelize(
             f"the mesh is dp×pp×cp×tp = {dims.dp}×{dims.pp}×{dims.cp}×{dims.tp}, the plan tp={plan.tp}, "
             f"pp={plan.pp}, cp={plan.cp}"
         )
-    plan.check_model(module)
+    plan.check_model(module, sum_tied_gradients=sum_tied_gradients)
     if plan.compile:
         from megascale.core.parallel.compile import compile_targets
 
@@ -236,10 +250,17 @@ def parallelize(
         from megascale.core.parallel.pp.apply import apply_pipeline
 
         pipelined, name = _the_pipelined_model(module, user_fsdp)
-        stages = apply_pipeline(pipelined, mesh["pp"], plan, name=name)
+        stages = apply_pipeline(pipelined, mesh["pp"], plan, name=name, sum_tied_gradients=sum_tied_gradients)
     if has_meta_tensors(module):  # 3.
         notes += _materialize(module, gpts, device)
     module.to(device)
+    tied = None
+    if stages and stages[0].tied:  # the last stage's copies take the first stage's values
+        from megascale.core.parallel.pp.tied import TiedCopies
+
+        assert pipelined is not None
+        tied = TiedCopies(pipelined, stages[0].tied, mesh["pp"].get_group())
+        tied.sync_values()
     if dims.tp > 1:  # on the materialised parameters, before ZeRO's hooks (see make_replicated_grads_whole)
         from megascale.core.parallel.tp.user_model import make_replicated_grads_whole
 
@@ -302,6 +323,7 @@ def parallelize(
     return ParallelRuntime(
         plan=plan, dims=dims, mesh=mesh, zero=zero, pipeline=pipeline, rng=rng, notes=notes,
         tp_layers=tp_layers, region_check=region_check, expert_mesh=emesh, ep_dispatchers=dispatchers,
+        tied=tied,
     )  # fmt: skip
 
 

@@ -106,6 +106,19 @@ def _grad_of(p: Tensor) -> Tensor | None:
     return g
 
 
+COUNTED_ELSEWHERE = "_megascale_counted_elsewhere"
+
+
+def mark_counted_elsewhere(p: Tensor) -> None:
+    """``p`` is a copy whose gradient another rank's original holds too (tied embeddings under pp: the last
+    stage's copy of the first stage's embedding): norms leave it out, clipping still scales it."""
+    setattr(p, COUNTED_ELSEWHERE, True)
+
+
+def _counted(params: list[Tensor]) -> list[Tensor]:
+    return [p for p in params if not getattr(p, COUNTED_ELSEWHERE, False)]
+
+
 def _unique_with_grads(parameters: Iterable[Tensor] | Tensor) -> list[Tensor]:
     params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
     seen: set[int] = set()
@@ -204,8 +217,8 @@ def grad_norm(
 
     Each tensor counts once: DTensor gradients are reduced over exactly the mesh dimensions they are split
     over, with one all-reduce per such process group for all tensors together; plain tensors are taken to be
-    whole and identical on every rank that holds them. Parameters without a gradient are skipped, and one
-    listed twice counts once.
+    whole and identical on every rank that holds them. Parameters without a gradient are skipped, one listed
+    twice counts once, and a copy marked ``mark_counted_elsewhere`` (tied embeddings under pp) not at all.
 
     Args:
         parameters: tensors (plain or DTensor) whose ``.grad`` to measure; every rank of a mesh must pass
@@ -220,7 +233,7 @@ def grad_norm(
     Returns:
         A float32 0-d tensor on the device of the first gradient, equal on all ranks.
     """
-    return _grad_norm(_unique_with_grads(parameters), norm_type, foreach, sum_group)
+    return _grad_norm(_counted(_unique_with_grads(parameters)), norm_type, foreach, sum_group)
 
 
 @torch.no_grad()
@@ -249,7 +262,7 @@ def clip_grad_norm_(
         The norm before clipping (float32, 0-d).
     """
     params = _unique_with_grads(parameters)
-    total = _grad_norm(params, norm_type, foreach, sum_group)
+    total = _grad_norm(_counted(params), norm_type, foreach, sum_group)
     if not params:
         return total
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)

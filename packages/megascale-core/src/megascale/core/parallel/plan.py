@@ -178,7 +178,7 @@ class ParallelPlan:
             )
         split_blocks(n_layers, pp * v, self.pipeline_split)
 
-    def check_model(self, module: nn.Module) -> None:
+    def check_model(self, module: nn.Module, *, sum_tied_gradients: bool = False) -> None:
         """Check this plan against ``module``'s megascale GPTs (shapes only: no collective, no allocation).
 
         The rules of other modules (tensor-parallel plans, pipeline layers) are checked by ``parallelize``
@@ -187,10 +187,12 @@ class ParallelPlan:
         from megascale.core.model.gpt import GPT
 
         for gpt in (m for m in module.modules() if isinstance(m, GPT)):
-            self.check_gpt_config(gpt.config)
+            self.check_gpt_config(gpt.config, sum_tied_gradients=sum_tied_gradients)
 
-    def check_gpt_config(self, config: GPTConfig) -> None:
-        """Check this plan against a GPT's configuration (before the GPT exists)."""
+    def check_gpt_config(self, config: GPTConfig, *, sum_tied_gradients: bool = False) -> None:
+        """Check this plan against a GPT's configuration (before the GPT exists). ``sum_tied_gradients``: the
+        training loop sums the gradients of tied embeddings across the first and last pipeline stage
+        (``ParallelRuntime.sum_tied_gradients``), so they may be tied under pp."""
         config.check_tensor_parallel(self.tp)
         if config.moe is not None or self.ep > 1:
             from megascale.core.parallel.ep.apply import check_expert_parallel
@@ -201,7 +203,7 @@ class ParallelPlan:
 
             check_context_parallel(config, self.cp)
         if self.pp > 1:
-            if config.tie_embeddings:
+            if config.tie_embeddings and not sum_tied_gradients:
                 raise ValueError(
                     "tie_embeddings=True with pp > 1: the embedding (first stage) and the output projection "
                     "(last stage) would live on different ranks; set tie_embeddings=False or pp=1"

@@ -46,6 +46,7 @@ from megascale.core.parallel.pp.interleaved import (
     stream_p2p_groups,
     stream_tag,
 )
+from megascale.core.parallel.pp.tied import tied_across_stages
 from megascale.core.parallel.pp.unreached import UnreachedStages
 from megascale.core.parallel.rng import ModelParallelRNG
 from megascale.core.parallel.wait_timer import WaitTimer, untimed
@@ -89,6 +90,8 @@ class StageModule(nn.Module):
         self.segments = [list(first), list(blocks), list(last)]
         self.balancing_sum: torch.Tensor | float = 0.0
         self._blocks = range(len(first), len(first) + len(blocks))
+        #: the model's tensors tied across the first and last stage, by their names (``tied.py``)
+        self.tied: list[str] = []
         # packed documents: the step's position_ids split as its microbatches are, and the microbatch's own
         # (every pipeline rank holds the whole batch; the stage is told which microbatch it computes)
         self.position_chunks: tuple[torch.Tensor, ...] | None = None
@@ -112,10 +115,14 @@ class StageModule(nn.Module):
 
 
 class PrunedLayer(nn.Module):
-    """Stands where a layer held by another pipeline rank was, in an ``nn.ModuleList``."""
+    """Stands where a layer held by another pipeline rank was, in an ``nn.ModuleList`` (or anywhere, carrying
+    the layer's tensors tied to this rank's layers, under their names: ``tied.py``)."""
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("this layer lives on another pipeline rank: run the model through its pipeline")
+
+    def reset_parameters(self) -> None:
+        """Nothing: what it carries takes its values from the stage holding the layer (``TiedCopies``)."""
 
 
 def pipelined_modules(root: nn.Module) -> list[nn.Module]:
@@ -142,37 +149,61 @@ def _parents(model: nn.Module) -> dict[int, tuple[nn.Module, str]]:
     return out
 
 
-def _remove(model: nn.Module, layer: nn.Module, parents: dict[int, tuple[nn.Module, str]]) -> None:
+def _remove(
+    model: nn.Module, layer: nn.Module, parents: dict[int, tuple[nn.Module, str]], keep: set[int]
+) -> None:
+    """Remove ``layer`` from the model; the tensors in ``keep`` (tied to this rank's layers) stay where they
+    were, in a ``PrunedLayer`` standing in for it."""
     parent, name = parents[id(layer)]
+    stub = _carrying(layer, keep)
     if isinstance(parent, nn.ModuleDict):
-        del parent[name]
+        if stub is None:
+            del parent[name]
+        else:
+            parent[name] = stub
     elif isinstance(parent, nn.ModuleList):
-        parent[int(name)] = PrunedLayer()
+        parent[int(name)] = stub or PrunedLayer()
     else:
-        setattr(parent, name, None)
+        setattr(parent, name, stub)
 
 
-def _check_layers(model: nn.Module, layers: PipelineLayers, stage_of: dict[int, int], name: str) -> None:
-    """Every parameter in a layer; none shared by layers of different stages."""
-    owner: dict[int, tuple[int, str]] = {}
-    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+def _carrying(layer: nn.Module, keep: set[int]) -> PrunedLayer | None:
+    """A ``PrunedLayer`` holding ``layer``'s tensors in ``keep`` under their names in it, or None."""
+    kept = [(n, p) for n, p in layer.named_parameters(remove_duplicate=False) if id(p) in keep]
+    if not kept:
+        return None
+    stub = PrunedLayer()
+    for name, p in kept:
+        *path, leaf = name.split(".")
+        holder: nn.Module = stub
+        for part in path:
+            if not hasattr(holder, part):
+                holder.add_module(part, PrunedLayer())
+            holder = getattr(holder, part)
+        holder.register_parameter(leaf, p)
+    return stub
+
+
+def _check_layers(
+    model: nn.Module, layers: PipelineLayers, stage_of: dict[int, int], num_stages: int, name: str
+) -> dict[str, tuple[str, str]]:
+    """Every parameter in a layer; none shared by layers of different stages but the first and the last
+    (tied embeddings): {name: (its first-stage layer, its last-stage layer)} of those."""
+    owner: dict[int, list[tuple[int, str]]] = {}
     module_names = {id(m): n for n, m in model.named_modules()}
     for layer in layers.all():
         for p in layer.parameters():
-            stage, where = stage_of[id(layer)], module_names.get(id(layer), type(layer).__name__)
-            if id(p) in owner and owner[id(p)][0] != stage:
-                raise ValueError(
-                    f"pipeline parallelism: parameter {names.get(id(p), '?')!r} of {name} is shared by layers "
-                    f"{owner[id(p)][1]!r} and {where!r}, which different pipeline stages hold (tied weights): "
-                    "untie them (e.g. GPTConfig(tie_embeddings=False)) or use pp=1"
-                )
-            owner.setdefault(id(p), (stage, where))
+            where = module_names.get(id(layer), type(layer).__name__)
+            owner.setdefault(id(p), []).append((stage_of[id(layer)], where))
+    first_names = {id(p): n for n, p in model.named_parameters()}  # a shared tensor: its first name
+    tied = tied_across_stages(owner, first_names, num_stages, name)
     loose = [n for n, p in model.named_parameters() if id(p) not in owner]
     if loose:
         raise ValueError(
             f"pipeline parallelism: parameters {loose} of {name} belong to no layer of its pipeline_layers(), so "
             "no stage would hold them: list every layer (first / blocks / last), or move these parameters into one"
         )
+    return tied
 
 
 class Pipeline:
@@ -632,11 +663,18 @@ def _one_f_one_b() -> type:
 
 
 def apply_pipeline(
-    model: nn.Module, pp_mesh: Any, plan: ParallelPlan, *, name: str = "the model"
+    model: nn.Module,
+    pp_mesh: Any,
+    plan: ParallelPlan,
+    *,
+    name: str = "the model",
+    sum_tied_gradients: bool = False,
 ) -> list[StageModule]:
     """Prune ``model`` to this rank's stages (in place) and return one ``StageModule`` per stage it holds.
 
-    ``model`` offers ``pipeline_layers()`` and ``pipeline_loss()``; ``name`` is how errors call it. The schedule
+    ``model`` offers ``pipeline_layers()`` and ``pipeline_loss()``; ``name`` is how errors call it. Weights
+    tied across the first and last stage are refused unless ``sum_tied_gradients`` (the caller sums their
+    gradients each step: ``tied.py``); each stage module's ``tied`` names them. The schedule
     is built by ``build_pipeline`` once the stage modules are materialised and wrapped (activation
     checkpointing, ZeRO): torch's PipelineStage must see the final modules.
     """
@@ -654,7 +692,9 @@ def apply_pipeline(
     stage_of = {id(m): 0 for m in layers.first} | {id(m): num_stages - 1 for m in layers.last}
     for s, indices in enumerate(blocks):
         stage_of.update({id(layers.blocks[i]): s for i in indices})
-    _check_layers(model, layers, stage_of, name)
+    tied = _check_layers(model, layers, stage_of, num_stages, name)
+    if tied:
+        _check_tied(tied, plan, name, sum_tied_gradients)
     mine = stages_of_rank(pp_mesh.get_local_rank(), pp, v)
     stages = [
         StageModule(
@@ -664,11 +704,34 @@ def apply_pipeline(
         )
         for s in mine
     ]
+    for stage in stages:
+        stage.tied = sorted(tied)
+    # the last stage keeps a copy of what it shares with the first, under the first stage's names
+    keep = {id(p) for n, p in model.named_parameters() if n in tied} if num_stages - 1 in mine else set()
     parents = _parents(model)
     for layer in layers.all():
         if stage_of[id(layer)] not in mine:
-            _remove(model, layer, parents)
+            _remove(model, layer, parents, keep)
     return stages
+
+
+def _check_tied(tied: dict[str, tuple[str, str]], plan: ParallelPlan, name: str, summed: bool) -> None:
+    first = next(iter(sorted(tied)))
+    held_by = tied[first]
+    if not summed:
+        raise ValueError(
+            f"pipeline parallelism: parameter {first!r} of {name} is shared by layers {held_by[0]!r} and "
+            f"{held_by[1]!r}, which different pipeline stages hold (tied weights): untie them (e.g. "
+            "GPTConfig(tie_embeddings=False)) or use pp=1"
+        )
+    if plan.zero_stage >= 2 or (plan.zero_stage == 1 and plan.zero1_sharding != "parameters"):
+        raise ValueError(
+            f"pipeline parallelism: {sorted(tied)} of {name}, tied across the first and last stage, with "
+            f"zero_stage={plan.zero_stage}"
+            f"{'' if plan.zero_stage != 1 else f' (zero1_sharding={plan.zero1_sharding!r})'}: the two copies' "
+            "gradients are summed whole after the data-parallel reduction, which this ZeRO leaves in pieces; "
+            "use zero_stage=0, or zero_stage=1 with zero1_sharding='parameters'"
+        )
 
 
 def build_pipeline(
