@@ -23,10 +23,11 @@ import torch.distributed as dist
 from torch import nn
 
 from megascale.core import GPT, GPTConfig
-from megascale.core.parallel import ParallelPlan, clip_grad_norm_, materialize, parallelize
+from megascale.core.parallel import ParallelPlan, materialize, parallelize
 from tests._dist import run_distributed
 from tests._models import Head, LayeredLM, MLPBlock, full_weights
 from tests.core._tiny import TINY_GQA_GPT
+from tests.core._train_loop import train
 
 WEIGHT_TOL = 1e-6
 LOSS_TOL = 1e-6
@@ -51,48 +52,13 @@ def _build(kind: str) -> nn.Module:
     return TinyLM()
 
 
-def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(100 + step)
-    return torch.randint(0, 60, (BATCH, SEQ), generator=gen), torch.randint(
-        0, 60, (BATCH, SEQ), generator=gen
-    )
-
-
 def _full_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     return full_weights(model, exclude="rope")
 
 
 def _train(model: nn.Module, runtime: Any, dp_rank: int, dp: int, pipelined: bool) -> list[float]:
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    if runtime is not None:
-        runtime.zero.attach_optimizers([optimizer])
-    losses = []
-    for step in range(STEPS):
-        tokens, targets = _batch(step)
-        share = BATCH // dp
-        tokens, targets = (
-            tokens[dp_rank * share : (dp_rank + 1) * share],
-            targets[dp_rank * share : (dp_rank + 1) * share],
-        )
-        loss = model(tokens, targets)
-        if not pipelined:
-            loss.backward()
-        if runtime is not None:
-            runtime.zero.after_backward()
-        clip_grad_norm_(model.parameters(), MAX_NORM, sum_group=runtime.grad_norm_group if runtime else None)
-        if runtime is not None:
-            runtime.zero.before_optimizer_step(optimizer)
-        optimizer.step()
-        if runtime is not None:
-            runtime.zero.after_optimizer_step(optimizer)
-        optimizer.zero_grad(set_to_none=True)
-        value = loss.detach().float()
-        if dp > 1:  # the global batch's loss: the mean over the dp replicas
-            dist.all_reduce(value, group=runtime.mesh["dp"].get_group())
-            value /= dp
-        losses.append(float(value))
-    if runtime is not None:
-        runtime.zero.wait_for_params()
+    losses, _ = train(model, runtime, dp_rank, dp, pipelined=pipelined, steps=STEPS, lr=LR, max_norm=MAX_NORM,
+                      size=BATCH, seq=SEQ)  # fmt: skip
     return losses
 
 

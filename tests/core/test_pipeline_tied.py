@@ -15,14 +15,14 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from megascale.core import GPT, GPTConfig
-from megascale.core.parallel import ParallelPlan, clip_grad_norm_, materialize, parallelize
+from megascale.core.parallel import ParallelPlan, materialize, parallelize
 from tests._dist import run_distributed
 from tests._models import Head, LayeredLM, MLPBlock, full_weights
 from tests.core._tiny import TINY_GQA_GPT
+from tests.core._train_loop import train
 
 WEIGHT_TOL = 1e-6
 LOSS_TOL = 1e-6
@@ -47,49 +47,9 @@ def _build(kind: str) -> nn.Module:
     return TiedLM()
 
 
-def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(100 + step)
-    return torch.randint(0, 60, (BATCH, SEQ), generator=gen), torch.randint(
-        0, 60, (BATCH, SEQ), generator=gen
-    )
-
-
 def _train(model: nn.Module, runtime: Any, dp_rank: int, dp: int) -> tuple[list[float], list[float]]:
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9, weight_decay=0.1)
-    if runtime is not None:
-        runtime.zero.attach_optimizers([optimizer])
-    losses, norms = [], []
-    for step in range(STEPS):
-        tokens, targets = _batch(step)
-        share = BATCH // dp
-        tokens, targets = (
-            tokens[dp_rank * share : (dp_rank + 1) * share],
-            targets[dp_rank * share : (dp_rank + 1) * share],
-        )
-        loss = model(tokens, targets)
-        if runtime is None:
-            loss.backward()
-        else:
-            runtime.zero.after_backward()
-            runtime.sum_tied_gradients()
-        norm = clip_grad_norm_(
-            model.parameters(), MAX_NORM, sum_group=runtime.grad_norm_group if runtime else None
-        )
-        norms.append(float(norm))
-        if runtime is not None:
-            runtime.zero.before_optimizer_step(optimizer)
-        optimizer.step()
-        if runtime is not None:
-            runtime.zero.after_optimizer_step(optimizer)
-        optimizer.zero_grad(set_to_none=True)
-        value = loss.detach().float()
-        if dp > 1:
-            dist.all_reduce(value, group=runtime.mesh["dp"].get_group())
-            value /= dp
-        losses.append(float(value))
-    if runtime is not None:
-        runtime.zero.wait_for_params()
-    return losses, norms
+    return train(model, runtime, dp_rank, dp, pipelined=runtime is not None, steps=STEPS, lr=LR,
+                 max_norm=MAX_NORM, size=BATCH, seq=SEQ, weight_decay=0.1)  # fmt: skip
 
 
 def _reference(kind: str) -> dict[str, Any]:
