@@ -371,6 +371,13 @@ SCENARIOS = [
         one_stage_only=True,  # a layer of the first block, which one pipeline stage holds
     ),
     Scenario("tied", "embedding tied to the output layer", features=dict(tie=True)),
+    Scenario(
+        "tied-resumed",
+        "the same, killed at the first epoch's end and resumed (under pp the last stage's copy is saved and loaded "
+        "under the embedding's name)",
+        features=dict(tie=True),
+        resumes=True,
+    ),
     Scenario("buffers", "a causal-mask buffer computed in __init__", features=dict(mask_buffer=True)),
     Scenario(
         "buffers-on-device",
@@ -555,7 +562,7 @@ REFUSED: dict[str, list[tuple[Any, str]]] = {
     "manual-split": [(_pipelined, "manual optimization (automatic_optimization=False) cannot run")],
     "manual-three": [(_pipelined, "manual optimization (automatic_optimization=False) cannot run")],
     "manual-overlap": [(_pipelined, "manual optimization (automatic_optimization=False) cannot run")],
-    "manual-one-owner": [(_pipelined, "which different pipeline stages hold (tied weights)")],
+    "manual-one-owner": [(_pipelined, "manual optimization (automatic_optimization=False) cannot run")],
     "manual-read-grads": [(_pipelined, "manual optimization (automatic_optimization=False) cannot run")],
     "manual-read-grads-after": [
         (_pipelined, "manual optimization (automatic_optimization=False) cannot run")
@@ -585,7 +592,19 @@ REFUSED: dict[str, list[tuple[Any, str]]] = {
             "combined parameters that MegaScaleStrategy holds",
         ),
     ],
-    "tied": [(_pipelined, "which different pipeline stages hold (tied weights)")],
+    # tied embeddings under pp: the copies' gradients summed whole, after the data-parallel reduction (issue 47)
+    "tied": [
+        (
+            lambda layout: layout.pp > 1 and layout.strategy.get("zero_stage", 1) >= 2,
+            "gradients are summed whole",
+        )
+    ],
+    "tied-resumed": [
+        (
+            lambda layout: layout.pp > 1 and layout.strategy.get("zero_stage", 1) >= 2,
+            "gradients are summed whole",
+        )
+    ],
     "finetuning-frozen-embedding": [(_pipelined, "configure_optimizers raised on rank 0 (pipeline stage 0)")],
     "documents-unpassed": [(_context_parallel, "called context_parallel.attention without them")],
     "model-parallel-module": [

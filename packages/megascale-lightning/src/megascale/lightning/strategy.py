@@ -307,7 +307,7 @@ class MegaScaleStrategy(ParallelStrategy):
         dims = self.plan.dims(world_size)
         config = getattr(module, "config", None) if module is not None else None
         if isinstance(config, GPTConfig):
-            self.plan.check_gpt_config(config)
+            self.plan.check_gpt_config(config, sum_tied_gradients=True)  # summed in post_backward
         return dims
 
     @property
@@ -416,7 +416,7 @@ class MegaScaleStrategy(ParallelStrategy):
             self._names_before_split = prebuilt_optimizers.names_of(self.model)
             self._runtime = parallelize(
                 self.model, self.plan, self.device_mesh, device=self.root_device,
-                param_dtype=torch.bfloat16 if bf16 else None,
+                param_dtype=torch.bfloat16 if bf16 else None, sum_tied_gradients=True,
             )  # fmt: skip
             if self._runtime.pipeline is not None:
                 self._pipeline_loop = PipelineLoop(self._runtime.pipeline, self.model)
@@ -651,6 +651,7 @@ class MegaScaleStrategy(ParallelStrategy):
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
         self.runtime.zero.after_backward()
+        self.runtime.sum_tied_gradients()  # embeddings tied across pipeline stages: both copies' gradients
 
     def _before_optimizer_step(self, optimizer: Optimizer) -> None:
         # a closure given to optimizer.step() ran its manual_backward inside the step: the gradients it

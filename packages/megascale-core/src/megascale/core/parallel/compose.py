@@ -111,9 +111,10 @@ class ParallelRuntime:
     tied: TiedCopies | None = None
 
     def sum_tied_gradients(self) -> None:
-        """Every rank, once per optimizer step, after backward and ``zero.after_backward()``: the gradients of
-        weights tied across the first and last pipeline stage summed over the two (nothing without such)."""
-        if self.tied is not None:
+        """Every rank, after each backward and its ``zero.after_backward()``: the gradients of weights tied
+        across the first and last pipeline stage summed over the two (what the backwards since the last sum
+        added; nothing inside ``no_sync``, nothing without such weights)."""
+        if self.tied is not None and (self.pipeline is None or self.pipeline.sync_gradients):
             self.tied.sum_gradients()
 
     def check_first_step(self) -> None:
@@ -255,10 +256,11 @@ def parallelize(
         notes += _materialize(module, gpts, device)
     module.to(device)
     tied = None
-    if stages and stages[0].tied:  # the last stage's copies take the first stage's values
+    if stages and stages[0].tied:  # the first stage takes the last stage's values
         from megascale.core.parallel.pp.tied import TiedCopies
 
         assert pipelined is not None
+        _check_tied_zero(stages[0].tied, plan, dims)
         tied = TiedCopies(pipelined, stages[0].tied, mesh["pp"].get_group())
         tied.sync_values()
     if dims.tp > 1:  # on the materialised parameters, before ZeRO's hooks (see make_replicated_grads_whole)
@@ -317,6 +319,7 @@ def parallelize(
         assert pipelined is not None
         pipeline = build_pipeline(pipelined, stages, mesh["pp"], plan, device=device)
         pipeline.rng = rng
+        pipeline.tied = tied
     if notes and dist.get_rank() == 0:
         for note in notes:
             warnings.warn(note, stacklevel=2)
@@ -325,6 +328,20 @@ def parallelize(
         tp_layers=tp_layers, region_check=region_check, expert_mesh=emesh, ep_dispatchers=dispatchers,
         tied=tied,
     )  # fmt: skip
+
+
+def _check_tied_zero(names: list[str], plan: ParallelPlan, dims: ParallelDims) -> None:
+    """The tied copies' gradients are summed whole, after the data-parallel reduction; and a ZeRO-2/3 unit
+    replaces the parameters, so the last stage's copy would no longer be the head's."""
+    pieces = plan.zero_stage == 1 and plan.zero1_sharding != "parameters" and dims.dp > 1
+    if plan.zero_stage >= 2 or pieces:
+        sharding = f" (zero1_sharding={plan.zero1_sharding!r}, dp={dims.dp})" if pieces else ""
+        raise ValueError(
+            f"pipeline parallelism: {names}, tied across the first and last stage, with "
+            f"zero_stage={plan.zero_stage}{sharding}: the two copies' gradients are summed whole after the "
+            "data-parallel reduction, which this ZeRO leaves in pieces or in parameters of its own; use "
+            "zero_stage=0, or zero_stage=1 (with zero1_sharding='parameters' where dp > 1)"
+        )
 
 
 def _model_parallel_rng(

@@ -115,7 +115,7 @@ def predict_memory(workload: Workload, layout: Layout, all_ranks: bool = False) 
     (blocks per stage, embedding, head) differ only in the microbatches in flight, which every schedule gives
     the lower ranks more of, so the first rank of each kind holds the most.
     """
-    layout.plan.check_gpt_config(workload.model)
+    layout.plan.check_gpt_config(workload.model, sum_tied_gradients=True)
     cfg, plan = workload.model, layout.plan
     acts = ActivationModel(workload, layout)
     chosen, seen = [], set()

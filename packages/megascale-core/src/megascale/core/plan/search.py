@@ -186,7 +186,7 @@ def _plans(
                             virtual_stages=v, num_microbatches=m if pp > 1 else None, sequence_parallel=sp,
                             activation_checkpointing=ac,  # type: ignore[arg-type]
                         )  # fmt: skip
-                        plan.check_gpt_config(cfg)
+                        plan.check_gpt_config(cfg, sum_tied_gradients=True)
                     except ValueError:
                         continue
                     group.append(Layout(plan, dp=dp, micro_batch_size=mbs, accumulation=1 if pp > 1 else m))
@@ -216,7 +216,7 @@ def _why_none(workload: Workload, cluster: ClusterSpec, fx: Fixed) -> str:
     if fx.ep and fx.ep > 1:
         try:  # what expert parallelism refuses for this model, in its own words
             ParallelPlan(tp=fx.tp or 1, pp=fx.pp or 1, cp=cp, ep=fx.ep, zero_stage=0,
-                         num_microbatches=fx.num_microbatches).check_gpt_config(workload.model)  # fmt: skip
+                         num_microbatches=fx.num_microbatches).check_gpt_config(workload.model, sum_tied_gradients=True)  # fmt: skip
         except ValueError as e:
             return f"--ep {fx.ep}: {e}"
         if fx.dp and fx.dp % fx.ep:

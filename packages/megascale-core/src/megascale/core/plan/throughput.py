@@ -479,7 +479,7 @@ class _Model:
 def predict_step(workload: Workload, layout: Layout, cluster: ClusterSpec) -> StepEstimate:
     """Time of one optimizer step of ``layout`` training ``workload`` on ``cluster`` (module docstring)."""
     plan, cfg = layout.plan, workload.model
-    plan.check_gpt_config(cfg)
+    plan.check_gpt_config(cfg, sum_tied_gradients=True)
     if layout.gpus > cluster.gpus:
         raise ValueError(f"the layout needs {layout.gpus} GPUs, the cluster has {cluster.gpus}")
     model = _Model(workload, layout, cluster)

@@ -46,7 +46,7 @@ from megascale.core.parallel.pp.interleaved import (
     stream_p2p_groups,
     stream_tag,
 )
-from megascale.core.parallel.pp.tied import tied_across_stages
+from megascale.core.parallel.pp.tied import TiedCopies, tied_across_stages
 from megascale.core.parallel.pp.unreached import UnreachedStages
 from megascale.core.parallel.rng import ModelParallelRNG
 from megascale.core.parallel.wait_timer import WaitTimer, untimed
@@ -252,6 +252,8 @@ class Pipeline:
         self._schedules: dict[tuple[str, tuple[int, ...]], Any] = {}
         #: stages the loss did not reach in a training step get no gradients, as on one process
         self.unreached = UnreachedStages(stage_modules, stage_ids, num_stages, device)
+        #: weights tied across the first and last stage (set by ``parallelize``; ``tied.py``)
+        self.tied: TiedCopies | None = None
 
     @contextmanager
     def random_streams_untouched(self) -> Iterator[None]:
@@ -351,6 +353,8 @@ class Pipeline:
         # return_outputs=False: the last stage keeps no microbatch's output (the logits) once its loss is taken
         with self._positions(position_ids, schedule):
             if backward:
+                if self.tied is not None:
+                    self.tied.begin_backward()
                 self.unreached.begin()
                 schedule.step(*args, return_outputs=False, **kwargs)
                 self.unreached.end()
@@ -693,8 +697,13 @@ def apply_pipeline(
     for s, indices in enumerate(blocks):
         stage_of.update({id(layers.blocks[i]): s for i in indices})
     tied = _check_layers(model, layers, stage_of, num_stages, name)
-    if tied:
-        _check_tied(tied, plan, name, sum_tied_gradients)
+    if tied and not sum_tied_gradients:
+        first = sorted(tied)[0]
+        raise ValueError(
+            f"pipeline parallelism: parameter {first!r} of {name} is shared by layers {tied[first][0]!r} and "
+            f"{tied[first][1]!r}, which different pipeline stages hold (tied weights): untie them (e.g. "
+            "GPTConfig(tie_embeddings=False)) or use pp=1"
+        )
     mine = stages_of_rank(pp_mesh.get_local_rank(), pp, v)
     stages = [
         StageModule(
@@ -713,25 +722,6 @@ def apply_pipeline(
         if stage_of[id(layer)] not in mine:
             _remove(model, layer, parents, keep)
     return stages
-
-
-def _check_tied(tied: dict[str, tuple[str, str]], plan: ParallelPlan, name: str, summed: bool) -> None:
-    first = next(iter(sorted(tied)))
-    held_by = tied[first]
-    if not summed:
-        raise ValueError(
-            f"pipeline parallelism: parameter {first!r} of {name} is shared by layers {held_by[0]!r} and "
-            f"{held_by[1]!r}, which different pipeline stages hold (tied weights): untie them (e.g. "
-            "GPTConfig(tie_embeddings=False)) or use pp=1"
-        )
-    if plan.zero_stage >= 2 or (plan.zero_stage == 1 and plan.zero1_sharding != "parameters"):
-        raise ValueError(
-            f"pipeline parallelism: {sorted(tied)} of {name}, tied across the first and last stage, with "
-            f"zero_stage={plan.zero_stage}"
-            f"{'' if plan.zero_stage != 1 else f' (zero1_sharding={plan.zero1_sharding!r})'}: the two copies' "
-            "gradients are summed whole after the data-parallel reduction, which this ZeRO leaves in pieces; "
-            "use zero_stage=0, or zero_stage=1 with zero1_sharding='parameters'"
-        )
 
 
 def build_pipeline(

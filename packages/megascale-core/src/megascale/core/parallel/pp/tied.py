@@ -9,9 +9,11 @@ and last stage of each pipeline):
 - ``sync_values``: after materialisation, the first stage takes the last stage's values: one process
   initialises the tensor through both layers, the last one's init winning, as on the last stage, which holds
   both (the first stage's layer there carrying just the tensor);
-- ``sum_gradients``: once per optimizer step, after backward and the data-parallel reduction, the two
-  gradients are summed, so both copies step alike and stay equal (a tensor no stage gave a gradient keeps
-  None); the copy is marked ``mark_counted_elsewhere``, so global norms count the tensor once;
+- ``sum_gradients``: after a backward and its data-parallel reduction, what each stage's gradient gained since
+  the pipeline's backward began (``begin_backward``, at the first backward after the last sum) is summed over
+  the two, so both copies step alike and stay equal, however many backwards and reductions a step holds
+  (manual accumulation, readers after each backward); a tensor no stage gave a gradient keeps None; the copy
+  is marked ``mark_counted_elsewhere``, so global norms count the tensor once;
 - ``check``: raises where the copies differ (a check, not a hope).
 """
 
@@ -79,6 +81,14 @@ class TiedCopies:
         if dist.get_rank() == ranks[-1]:  # the copy
             for p in self.params:
                 mark_counted_elsewhere(p)
+        # the gradients when the backwards not summed yet began (None: none then), or None: all summed
+        self._before: list[torch.Tensor | None] | None = None
+
+    def begin_backward(self) -> None:
+        """Where a pipeline's backward begins: the gradients before it, unless a backward since the last sum
+        holds them already (an accumulation's micro-batches)."""
+        if self._before is None:
+            self._before = [None if p.grad is None else _local(p.grad).detach().clone() for p in self.params]
 
     def sync_values(self) -> None:
         """The first stage takes the last stage's values (see the module's docstring)."""
@@ -89,19 +99,26 @@ class TiedCopies:
                 dist.broadcast(_local(p.data), self.source, group=self.group)
 
     def sum_gradients(self) -> None:
-        """Sum each tied tensor's gradients over the first and last stage (once per optimizer step, after the
-        data-parallel reduction); where neither stage has one, it stays None."""
+        """Sum what each tied tensor's gradient gained since ``begin_backward`` over the first and last stage
+        (after the data-parallel reduction); where neither stage has one, it stays None."""
+        before, self._before = self._before, None
         if self.group is None or not self.params:
             return
+        before = before if before is not None else [None] * len(self.params)
         device = self.params[0].device
         present = torch.tensor([p.grad is not None for p in self.params], dtype=torch.int32, device=device)
         dist.all_reduce(present, op=dist.ReduceOp.MAX, group=self.group)
-        for p, any_grad in zip(self.params, present.tolist()):
+        for p, earlier, any_grad in zip(self.params, before, present.tolist()):
             if not any_grad:
                 continue
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            dist.all_reduce(_local(p.grad), group=self.group)
+            grad = _local(p.grad)
+            if earlier is not None:  # summed before: only what this step's backwards added is summed now
+                grad.sub_(earlier)
+            dist.all_reduce(grad, group=self.group)
+            if earlier is not None:
+                grad.add_(earlier)
 
     def check(self) -> None:
         """Raise on both stages where the copy differs from the original."""
