@@ -10,7 +10,9 @@ the union batch; the copies are checked identical afterwards, and the last stage
 
 from __future__ import annotations
 
+import json
 import warnings
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -40,8 +42,14 @@ class TiedLM(LayeredLM):
         self.head.proj.weight = self.embed.weight
 
 
-def _build(kind: str) -> nn.Module:
+def _build(kind: str, hf_dir: str | None = None) -> nn.Module:
     torch.manual_seed(0)
+    if kind == "hf":  # a Hugging Face model saved with tie_word_embeddings=True, loaded by each stage
+        from megascale.core.hf import HFWeights, gpt_config_from_hf
+
+        model = GPT(gpt_config_from_hf(json.loads((Path(str(hf_dir)) / "config.json").read_text())))
+        model.weights_source = HFWeights(hf_dir)
+        return model
     if kind == "gpt":
         return GPT(GPTConfig(**{**TINY_GQA_GPT, "n_layers": 4, "tie_embeddings": True}))
     return TiedLM()
@@ -52,21 +60,28 @@ def _train(model: nn.Module, runtime: Any, dp_rank: int, dp: int) -> tuple[list[
                  max_norm=MAX_NORM, size=BATCH, seq=SEQ, weight_decay=0.1)  # fmt: skip
 
 
-def _reference(kind: str) -> dict[str, Any]:
-    with torch.device("meta"):
-        model = _build(kind)
-    materialize(model, "cpu", seed=torch.initial_seed())
+def _reference(kind: str, hf_dir: str | None = None) -> dict[str, Any]:
+    if kind == "hf":
+        from megascale.core.hf import gpt_from_hf
+
+        model: nn.Module = gpt_from_hf(str(hf_dir))
+    else:
+        with torch.device("meta"):
+            model = _build(kind)
+        materialize(model, "cpu", seed=torch.initial_seed())
     losses, norms = _train(model, None, 0, 1)
     return {"losses": losses, "norms": norms, "weights": full_weights(model, exclude="rope")}
 
 
-def _layout_worker(rank: int, world: int, kind: str, layouts: list[dict[str, Any]]) -> dict[str, Any]:
+def _layout_worker(
+    rank: int, world: int, kind: str, layouts: list[dict[str, Any]], hf_dir: str | None
+) -> dict[str, Any]:
     out = {}
     for kw in layouts:
         plan = ParallelPlan(**kw)
         mesh = plan.dims(world).build_mesh("cpu")
         with torch.device("meta"):
-            model = _build(kind)
+            model = _build(kind, hf_dir)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             runtime = parallelize(model, plan, mesh, device="cpu", sum_tied_gradients=True)
@@ -85,6 +100,10 @@ LAYOUTS = {
         dict(tp=2, pp=2, zero_stage=0),
         dict(pp=2, zero_stage=0, schedule="interleaved", virtual_stages=2, num_microbatches=2),
     ],
+    "hf": [
+        dict(pp=2, zero_stage=0, num_microbatches=2),
+        dict(tp=2, pp=2, zero_stage=0),
+    ],
     "own": [
         dict(pp=2, zero_stage=0, num_microbatches=2),
         dict(pp=4, zero_stage=0, num_microbatches=4),
@@ -92,12 +111,20 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("kind", ["gpt", "own"])
-def test_tied_embeddings_under_pp_train_like_one_process(kind: str) -> None:
-    want = _reference(kind)
-    tied_name = "head.proj.logits.weight" if kind == "gpt" else "head.proj.weight"
+@pytest.mark.parametrize("kind", ["gpt", "hf", "own"])
+def test_tied_embeddings_under_pp_train_like_one_process(kind: str, tmp_path: Path) -> None:
+    hf_dir = None
+    if kind == "hf":
+        from tests.core.hf._tiny_hf import save_tiny
+
+        save_tiny("llama", True, tmp_path)
+        hf_dir = str(tmp_path)
+    want = _reference(kind, hf_dir)
+    tied_name = "head.proj.weight" if kind == "own" else "head.proj.logits.weight"
     assert torch.equal(want["weights"][tied_name], want["weights"]["embed.weight"])
-    for rank, result in enumerate(run_distributed(_layout_worker, 4, kind, LAYOUTS[kind], timeout=300)):
+    for rank, result in enumerate(
+        run_distributed(_layout_worker, 4, kind, LAYOUTS[kind], hf_dir, timeout=300)
+    ):
         for name, got in result.items():
             where = f"{kind} {name} rank {rank}"
             assert got["losses"] == pytest.approx(want["losses"], abs=LOSS_TOL), where
