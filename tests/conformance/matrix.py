@@ -1,7 +1,7 @@
 """The cells of the matrix and the launches that run them.
 
-A cell is (scenario, seed, layout) — or a resume cell: the "plain" scenario saved at its first epoch's end
-under one layout and resumed under another. Launches, in order (a resume needs its checkpoint saved first):
+A cell is (scenario, seed, layout) — or a resume cell: the "plain" scenario (or "tied-resumed", for
+``TIED_RESHARDS``) saved at its first epoch's end under one layout and resumed under another. Launches, in order (a resume needs its checkpoint saved first):
 
 1. the reference: one process, every (scenario, seed) needed;
 2. every world-2 layout's cells in one torchrun launch of 2 ranks, then its resumes of world-2 checkpoints;
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from tests.conformance.scenarios import LAYOUT, LAYOUTS, SCENARIOS, Layout, resume_pairs
+from tests.conformance.scenarios import LAYOUT, LAYOUTS, SCENARIOS, TIED_RESHARDS, Layout, resume_pairs
 from tests.lightning._launch import run_ranks
 
 LAUNCH_TIMEOUT_S = 1800
@@ -47,7 +47,8 @@ class Cell:
         if self.layout is None and self.moe:
             where = "reference-moe"
         if self.saved_under is not None:
-            return f"resume-s{self.seed}-{slug(self.saved_under)}-to-{where}"
+            what = "" if self.scenario == "plain" else f"{self.scenario}-"
+            return f"resume-{what}s{self.seed}-{slug(self.saved_under)}-to-{where}"
         return f"{self.scenario}-s{self.seed}-{where}"
 
     @property
@@ -57,7 +58,7 @@ class Cell:
     @property
     def saver(self) -> Cell:
         assert self.saved_under is not None
-        return Cell("plain", self.seed, self.saved_under)
+        return Cell(self.scenario, self.seed, self.saved_under)
 
 
 def all_cells(seeds: int) -> list[Cell]:
@@ -67,6 +68,7 @@ def all_cells(seeds: int) -> list[Cell]:
     shrink = [(b, a) for a, b in pairs if a.world == 2 and b.world == 4]
     shrink = [pair for i, pair in enumerate(shrink) if i % 3 == 0]  # each world-4 layout → some world-2 ones
     cells += [Cell("plain", seed, b.name, a.name) for seed in range(seeds) for a, b in [*pairs, *shrink]]
+    cells += [Cell("tied-resumed", seed, b, a) for seed in range(seeds) for a, b in TIED_RESHARDS]
     return cells
 
 
@@ -82,6 +84,8 @@ def in_ci_tier(cell: Cell) -> bool:
     2-rank checkpoints and from each other, and every 4-rank checkpoint shrunk onto 2 ranks. The rest is the
     slow tier (``nox -s conformance`` runs all)."""
     assert cell.layout is not None
+    if cell.saved_under is not None and cell.scenario != "plain":
+        return True  # the few resharded scenarios of their own (TIED_RESHARDS)
     # the turns below are taken among the layouts training the same model (dense, or with experts: ep)
     same_model = [layout for layout in LAYOUTS if layout.moe == cell.moe]
     world4 = [layout.name for layout in same_model if layout.world == 4]

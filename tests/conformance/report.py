@@ -13,7 +13,7 @@ from pathlib import Path
 from tests.conformance.compare import BF16, FLOAT32
 from tests.conformance.judge import Outcome, judge
 from tests.conformance.matrix import Cell, all_cells
-from tests.conformance.scenarios import LAYOUTS, SCENARIOS
+from tests.conformance.scenarios import LAYOUTS, SCENARIOS, TIED_RESHARDS
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "guides" / "guarantees.md"
 
@@ -90,6 +90,18 @@ def page(outcomes: list[Outcome]) -> str:
         row = [mark(by_id.get(Cell("plain", 0, resumer, saver).id)) if resumer != saver else "—"
                for resumer in layouts]  # fmt: skip
         lines.append(f"| `{saver}` | " + " | ".join(row) + " |")
+    lines += [
+        "",
+        "The *tied-resumed* scenario (embedding tied to the output layer; under pp the last stage holds a copy) saved",
+        "under one layout and resumed under another, pipeline layouts and others both ways:",
+        "",
+        "| saved under → resumed under | |",
+        "|---|---|",
+    ]
+    for saver, resumer in TIED_RESHARDS:
+        lines.append(
+            f"| `{saver}` → `{resumer}` | {mark(by_id.get(Cell('tied-resumed', 0, resumer, saver).id))} |"
+        )
     lines += ["", "## Notes", ""]
     lines += [f'<a id="note-{i}"></a>{i}. {message}' for i, message in enumerate(notes, 1)] or ["None."]
     count = sum(1 for o in outcomes)
@@ -108,6 +120,7 @@ def marks(text: str) -> dict[str, tuple[str, str]]:
     rows = [line for line in text.splitlines() if line.startswith("| **") or line.startswith("| `")]
     cells = [Cell(s.name, 0, layout) for s in SCENARIOS for layout in layouts]
     cells += [Cell("plain", 0, resumer, saver) for saver in layouts for resumer in layouts]
+    cells += [Cell("tied-resumed", 0, resumer, saver) for saver, resumer in TIED_RESHARDS]
     entries = [entry.strip() for row in rows for entry in row.strip().strip("|").split(" | ")[1:]]
     out = {}
     for cell, entry in zip(cells, entries, strict=True):

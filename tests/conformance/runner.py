@@ -170,7 +170,9 @@ def _fit(job: dict[str, Any], resume_from: str | None, stop_early: bool) -> dict
 def run_job(job: dict[str, Any]) -> dict[str, Any]:
     scenario = scenario_named(job["scenario"])
     work = Path(job["work"])
-    if scenario.resumes:  # killed at the first epoch's end, resumed from its checkpoint by a new Trainer
+    if scenario.resumes and not job.get(
+        "resume_from"
+    ):  # killed at the first epoch's end, resumed by a new Trainer
         first = _fit(job, None, stop_early=True)
         fit = _fit(job, str(work / "epochs" / "epoch=0.ckpt"), stop_early=False)
         fit["recorder"].steps[:0] = first["recorder"].steps

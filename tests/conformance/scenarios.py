@@ -669,6 +669,10 @@ def expected_warnings(scenario: str, layout: Layout) -> list[str]:
     return generate.case(scenario).warnings(layout)
 
 
+# (saved under, resumed under): tied embeddings resharded between pipeline layouts and others (issue 47)
+TIED_RESHARDS = [("pp2", "dp2/zero0"), ("dp2/zero1", "pp2"), ("pp2", "tp2×pp2"), ("tp2×pp2", "dp2/zero3")]
+
+
 def resume_pairs(layouts: list[Layout] | None = None) -> list[tuple[Layout, Layout]]:
     """(saved under, resumed under) for every unordered pair of layouts, once: the later layout of the
     LAYOUTS order resumes the earlier one's checkpoint (world-2 layouts come first, so a world-4 run resumes
