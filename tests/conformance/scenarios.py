@@ -562,7 +562,13 @@ REFUSED: dict[str, list[tuple[Any, str]]] = {
     "manual-split": [(_pipelined, "manual optimization (automatic_optimization=False) cannot run")],
     "manual-three": [(_pipelined, "manual optimization (automatic_optimization=False) cannot run")],
     "manual-overlap": [(_pipelined, "manual optimization (automatic_optimization=False) cannot run")],
-    "manual-one-owner": [(_pipelined, "manual optimization (automatic_optimization=False) cannot run")],
+    "manual-one-owner": [  # its tie is refused first where ZeRO-2/3 and pp meet
+        (
+            lambda layout: layout.pp > 1 and layout.strategy.get("zero_stage", 1) >= 2,
+            "gradients are summed whole",
+        ),
+        (_pipelined, "manual optimization (automatic_optimization=False) cannot run"),
+    ],
     "manual-read-grads": [(_pipelined, "manual optimization (automatic_optimization=False) cannot run")],
     "manual-read-grads-after": [
         (_pipelined, "manual optimization (automatic_optimization=False) cannot run")
