@@ -84,6 +84,31 @@ def test_gpu_latency_grows_with_chunks_and_layers() -> None:
     assert extra > 64 * per_microbatch * call_latency(group, cluster)
 
 
+@pytest.mark.parametrize(
+    ("zero", "pieces_over_dp"),
+    [(dict(zero_stage=0), False), (dict(zero_stage=1, zero1_sharding="elements"), True), (dict(zero_stage=2), False)],
+)  # fmt: skip
+def test_tied_embeddings_under_pp_pay_the_embedding_groups_all_reduce(
+    zero: dict, pieces_over_dp: bool
+) -> None:
+    """The first and last stage all-reduce the tied embedding's fp32 gradient (pp/tied.py): V·D/t elements over
+    two ranks, within a node at pp4 × tp2 and across nodes at pp8 × tp2; ZeRO-2 sums its 1/dp shard, ZeRO-1 by
+    elements first makes its piece whole over dp."""
+    config = GPTConfig(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, max_seq_len=2048)
+    workload = Workload(config, seq_len=2048, global_batch=64)
+    tied = Workload(replace(config, tie_embeddings=True), seq_len=2048, global_batch=64)
+    cluster = ClusterSpec(A100_80GB, gpus=128)
+    grads = 4 * config.padded_vocab_size * config.d_model / 2
+    for pp, group in ((4, Group(2, 1)), (8, Group(1, 2))):
+        layout = Layout(ParallelPlan(tp=2, pp=pp, num_microbatches=8, **zero), dp=4, micro_batch_size=1)
+        extra = predict_step(tied, layout, cluster).pp_comm - predict_step(workload, layout, cluster).pp_comm
+        want = all_reduce_time(grads / (4 if zero["zero_stage"] == 2 else 1), group, cluster)
+        if pieces_over_dp:
+            want += all_reduce_time(grads, Group.of(4, 2 * pp, 8), cluster)
+        assert extra == pytest.approx(want), (pp, zero)
+        assert extra > 0
+
+
 SMALL = dict(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_multiple_of=32, max_seq_len=64,
              pad_vocab_to_multiple_of=64)  # fmt: skip
 GPT3 = dict(SMALL, parallel_block=False, activation="gelu", norm="layernorm", bias=True)

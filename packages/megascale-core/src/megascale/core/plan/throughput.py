@@ -49,6 +49,9 @@ each kind of kernel at its own rate from the GPU kind's kernel-rate table (``rat
   last stage also computes the logits): the bubble (P-1)/(V·M) of Narayanan et al. 2021 §2.2, taken on the
   mean rank. Activations between stages go tp-scattered over the network (their §4.1); megascale's decoupled
   schedules overlap them with compute, so only the fill and drain pay.
+  Tied embeddings (``pp/tied.py``): after the data-parallel reduction the first and last stage all-reduce the
+  embedding's fp32 gradient, V·D/t elements (ZeRO-2: their 1/dp shard; ZeRO-1 by elements first all-reduces
+  its piece over dp to make it whole), not overlapped: counted in ``pp_comm``.
 - Data parallelism / ZeRO (``comm.py``): an all-reduce of the gradients (ZeRO-1: reduce-scatter, then an
   all-gather of the new values that the next forward overlaps; ZeRO-2/3: reduce-scatter, and parameter
   all-gathers per step, or per microbatch forward and backward for ZeRO-3, prefetched). With
@@ -510,6 +513,9 @@ def predict_step(workload: Workload, layout: Layout, cluster: ClusterSpec) -> St
         if not (workload.runtime.overlap_p2p and cluster.gpu.overlap):  # every chunk waits for its transfers
             pp_comm += m * v * 2 * model.p2p_time()
 
+    if p > 1 and cfg.tie_embeddings:
+        pp_comm += _tied_embedding_time(workload, layout, cluster)
+
     slowest_stages = stages_of_rank(cfg, p, plan.virtual_stages, slowest, plan.pipeline_split)
     calls = _dp_calls(workload, layout, slowest_stages)
     experts = sum(s.expert_parameters(cfg, plan.ep) for s in slowest_stages) if plan.ep > 1 else 0
@@ -543,6 +549,20 @@ def predict_step(workload: Workload, layout: Layout, cluster: ClusterSpec) -> St
         gpus=layout.gpus, peak_flops=cluster.gpu.peak_flops, cp_comm=m * cpc, ep_comm=m * epc,
         uncapped_step_time=step, mfu_cap=cap,
     )  # fmt: skip
+
+
+def _tied_embedding_time(workload: Workload, layout: Layout, cluster: ClusterSpec) -> float:
+    """Seconds of the tied embedding's gradient sum over the first and last pipeline stage (module docstring)."""
+    cfg, plan, dp = workload.model, layout.plan, layout.replicas
+    grads = 4.0 * cfg.padded_vocab_size * cfg.d_model / plan.tp
+    # the first and last rank of a pipeline share a node where the whole pipeline (tp·cp·pp ranks) fits in one
+    ends = Group(2, 1) if plan.tp * plan.cp * plan.pp <= cluster.gpus_per_node else Group(1, 2)
+    seconds = 0.0
+    if plan.zero_stage >= 2:
+        grads /= dp
+    elif plan.zero_stage == 1 and plan.zero1_sharding == "elements" and dp > 1:
+        seconds += all_reduce_time(grads, Group.of(dp, plan.tp * plan.pp, cluster.gpus_per_node), cluster)
+    return seconds + all_reduce_time(grads, ends, cluster)
 
 
 def _dp_calls(workload: Workload, layout: Layout, stages: list[Stage]) -> int:
