@@ -562,13 +562,7 @@ REFUSED: dict[str, list[tuple[Any, str]]] = {
     "manual-split": [(_pipelined, "manual optimization (automatic_optimization=False) cannot run")],
     "manual-three": [(_pipelined, "manual optimization (automatic_optimization=False) cannot run")],
     "manual-overlap": [(_pipelined, "manual optimization (automatic_optimization=False) cannot run")],
-    "manual-one-owner": [  # its tie is refused first where ZeRO-2/3 and pp meet
-        (
-            lambda layout: layout.pp > 1 and layout.strategy.get("zero_stage", 1) >= 2,
-            "gradients are summed whole",
-        ),
-        (_pipelined, "manual optimization (automatic_optimization=False) cannot run"),
-    ],
+    "manual-one-owner": [(_pipelined, "manual optimization (automatic_optimization=False) cannot run")],
     "manual-read-grads": [(_pipelined, "manual optimization (automatic_optimization=False) cannot run")],
     "manual-read-grads-after": [
         (_pipelined, "manual optimization (automatic_optimization=False) cannot run")
@@ -597,19 +591,6 @@ REFUSED: dict[str, list[tuple[Any, str]]] = {
             lambda layout: layout.ep > 1 and layout.zero >= 2,
             "combined parameters that MegaScaleStrategy holds",
         ),
-    ],
-    # tied embeddings under pp: the copies' gradients summed whole, after the data-parallel reduction (issue 47)
-    "tied": [
-        (
-            lambda layout: layout.pp > 1 and layout.strategy.get("zero_stage", 1) >= 2,
-            "gradients are summed whole",
-        )
-    ],
-    "tied-resumed": [
-        (
-            lambda layout: layout.pp > 1 and layout.strategy.get("zero_stage", 1) >= 2,
-            "gradients are summed whole",
-        )
     ],
     "finetuning-frozen-embedding": [(_pipelined, "configure_optimizers raised on rank 0 (pipeline stage 0)")],
     "documents-unpassed": [(_context_parallel, "called context_parallel.attention without them")],

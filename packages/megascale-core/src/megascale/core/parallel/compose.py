@@ -256,11 +256,10 @@ def parallelize(
         notes += _materialize(module, gpts, device)
     module.to(device)
     tied = None
-    if stages and stages[0].tied:  # the first stage takes the last stage's values
+    if stages and stages[0].tied:  # the first stage takes the last stage's values, before any sharding
         from megascale.core.parallel.pp.tied import TiedCopies
 
         assert pipelined is not None
-        _check_tied_zero(stages[0].tied, plan, dims)
         tied = TiedCopies(pipelined, stages[0].tied, mesh["pp"].get_group())
         tied.sync_values()
     if dims.tp > 1:  # on the materialised parameters, before ZeRO's hooks (see make_replicated_grads_whole)
@@ -307,6 +306,8 @@ def parallelize(
         )  # fmt: skip
         if edp_mesh is not None:
             zero = _expert_replicas(zero, experts, edp_mesh, plan, trees, module)
+    if tied is not None:  # ZeRO-2/3 replaced the parameters by their shards; stage 1 may leave pieces
+        tied.follow_zero(zero)
     tp_layers: list[WaitTimed] = []
     if dims.tp > 1:  # found after the pipeline split: only this rank's stages
         from megascale.core.parallel.tp.apply import tp_layers as find_tp_layers
@@ -328,20 +329,6 @@ def parallelize(
         tp_layers=tp_layers, region_check=region_check, expert_mesh=emesh, ep_dispatchers=dispatchers,
         tied=tied,
     )  # fmt: skip
-
-
-def _check_tied_zero(names: list[str], plan: ParallelPlan, dims: ParallelDims) -> None:
-    """The tied copies' gradients are summed whole, after the data-parallel reduction; and a ZeRO-2/3 unit
-    replaces the parameters, so the last stage's copy would no longer be the head's."""
-    pieces = plan.zero_stage == 1 and plan.zero1_sharding != "parameters" and dims.dp > 1
-    if plan.zero_stage >= 2 or pieces:
-        sharding = f" (zero1_sharding={plan.zero1_sharding!r}, dp={dims.dp})" if pieces else ""
-        raise ValueError(
-            f"pipeline parallelism: {names}, tied across the first and last stage, with "
-            f"zero_stage={plan.zero_stage}{sharding}: the two copies' gradients are summed whole after the "
-            "data-parallel reduction, which this ZeRO leaves in pieces or in parameters of its own; use "
-            "zero_stage=0, or zero_stage=1 (with zero1_sharding='parameters' where dp > 1)"
-        )
 
 
 def _model_parallel_rng(

@@ -203,13 +203,6 @@ class ParallelPlan:
 
             check_context_parallel(config, self.cp)
         if self.pp > 1:
-            if config.tie_embeddings and sum_tied_gradients and self.zero_stage >= 2:
-                raise ValueError(
-                    f"tie_embeddings=True with pp > 1 and zero_stage={self.zero_stage}: the copies of the "
-                    "embedding on the first and last pipeline stage have their gradients summed whole after the "
-                    "data-parallel reduction, which ZeRO-2/3 leaves in pieces; use zero_stage=0 or 1 "
-                    "(zero1_sharding='parameters' where dp > 1), or tie_embeddings=False"
-                )
             if config.tie_embeddings and not sum_tied_gradients:
                 raise ValueError(
                     "tie_embeddings=True with pp > 1: the embedding (first stage) and the output projection "

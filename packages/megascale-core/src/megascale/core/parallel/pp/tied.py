@@ -13,19 +13,24 @@ and last stage of each pipeline):
   the pipeline's backward began (``begin_backward``, at the first backward after the last sum) is summed over
   the two, so both copies step alike and stay equal, however many backwards and reductions a step holds
   (manual accumulation, readers after each backward); a tensor no stage gave a gradient keeps None; the copy
-  is marked ``mark_counted_elsewhere``, so global norms count the tensor once;
+  is marked ``mark_counted_elsewhere``, so global norms count the tensor once; under ZeRO the sums follow its
+  shards and pieces (``follow_zero``);
 - ``check``: raises where the copies differ (a check, not a hope).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from megascale.core.parallel.grad_clip import mark_counted_elsewhere
+
+if TYPE_CHECKING:
+    from megascale.core.parallel.zero import ZeroRuntime
 
 __all__ = ["TiedCopies", "tied_across_stages"]
 
@@ -74,15 +79,45 @@ class TiedCopies:
         ranks = dist.get_process_group_ranks(pp_group)
         self.group = _embedding_group(pp_group)
         self.source = ranks[-1]  # the last stage's rank: its values at init are one process's
+        self._is_copy = dist.get_rank() == ranks[-1]
         held = dict(model.named_parameters())
         self.params = [held[n] for n in self.names] if self.group is not None else []
-        if self.params and len(self.params) != len(self.names):
-            raise RuntimeError(f"tied tensors {self.names}: this stage holds only some of them")
-        if dist.get_rank() == ranks[-1]:  # the copy
-            for p in self.params:
-                mark_counted_elsewhere(p)
+        # where the model holds each (the last stage: its head, and the pruned embedding carrying it)
+        self._sites = [_sites(model, p) for p in self.params]
+        self._mark_copies()
         # the gradients when the backwards not summed yet began (None: none then), or None: all summed
         self._before: list[torch.Tensor | None] | None = None
+        self._zero: ZeroRuntime | None = None
+
+    def _mark_copies(self) -> None:
+        if self._is_copy:
+            for p in self.params:
+                mark_counted_elsewhere(p)
+
+    def follow_zero(self, zero: ZeroRuntime) -> None:
+        """After ZeRO was applied: the sums follow its shards (``_follow_sharding``) and its
+        pieces (stage 1's ``"elements"``: each rank holds its piece of the average only, at a place that
+        differs between the stages' buckets, so the piece is made whole over dp before the sum and cut
+        again after it)."""
+        self._zero = zero
+        self._follow_sharding()
+
+    def _follow_sharding(self) -> None:
+        """ZeRO-2/3 replaced the parameters of a stage's layers by their shards: every other place holding a
+        tied tensor (the last stage's pruned embedding, outside its stage's units) takes the shard too, so a
+        checkpoint and the optimizer see one tensor. Both stages shard it alike (Shard(0) over data-parallel
+        meshes of one size), so the gradients sum piece by piece."""
+        for i, (old, sites) in enumerate(zip(self.params, self._sites)):
+            held = {id(q): q for m, leaf in sites if (q := m._parameters[leaf]) is not None and q is not old}
+            if len(held) > 1:
+                raise RuntimeError(
+                    f"tied tensor {self.names[i]!r}: sharded into {len(held)} different tensors"
+                )
+            for shard in held.values():
+                for m, leaf in sites:
+                    m._parameters[leaf] = shard
+                self.params[i] = shard
+        self._mark_copies()
 
     def begin_backward(self) -> None:
         """Where a pipeline's backward begins: the gradients before it, unless a backward since the last sum
@@ -116,7 +151,15 @@ class TiedCopies:
             grad = _local(p.grad)
             if earlier is not None:  # summed before: only what this step's backwards added is summed now
                 grad.sub_(earlier)
+            piece = self._zero.gradient_piece(p) if self._zero is not None else None
+            if piece is not None:  # this rank's piece, zeros around it: the whole average, over dp
+                assert self._zero is not None
+                dist.all_reduce(grad, group=self._zero.grad_sum_group())
             dist.all_reduce(grad, group=self.group)
+            if piece is not None:  # this rank's piece again
+                flat = grad.view(-1)
+                flat[: piece[0]] = 0
+                flat[piece[1] :] = 0
             if earlier is not None:
                 grad.add_(earlier)
 
@@ -136,6 +179,10 @@ class TiedCopies:
                 f"tied tensors {self.names}: the last pipeline stage's copy differs from the first stage's "
                 "original (were their gradients summed once before every step? ParallelRuntime.sum_tied_gradients)"
             )
+
+
+def _sites(model: nn.Module, p: nn.Parameter) -> list[tuple[nn.Module, str]]:
+    return [(m, leaf) for m in model.modules() for leaf, held in m._parameters.items() if held is p]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -131,6 +131,12 @@ class ZeroRuntime:
         gradient norm adds their shares over it. None where every rank holds them whole."""
         return None
 
+    def gradient_piece(self, p: Tensor) -> tuple[int, int] | None:
+        """Where ``p.grad`` holds only this rank's piece of the average after the reduction (stage 1's
+        ``"elements"``): the elements ``[start, stop)`` of its flattened local tensor, zeros elsewhere; None
+        where it is whole."""
+        return None
+
     def set_whole_gradients(self, whole: bool) -> None:
         """``whole``: user code reads gradients between backward and the optimizer step (a logged gradient
         norm, its own clipping, manual optimization), so every ``p.grad`` must be the whole average after
@@ -235,6 +241,9 @@ class _ScatteredGradients(_ReplicatedGradients):
 
     def grad_sum_group(self) -> dist.ProcessGroup | None:
         return None if self.reduce.whole else self.group
+
+    def gradient_piece(self, p: Tensor) -> tuple[int, int] | None:
+        return self.reduce.gradient_piece(p)
 
     def set_whole_gradients(self, whole: bool) -> None:
         self.reduce.whole = whole

@@ -242,6 +242,16 @@ class BucketedGradReduce:
         start, stop = min(max(lo - offset, 0), numel), min(max(hi - offset, 0), numel)
         return start, max(start, stop)
 
+    def gradient_piece(self, p: Tensor) -> tuple[int, int] | None:
+        """``shard_range(p)`` where ``p.grad`` holds this rank's piece only after ``finish()``; None where it
+        is whole (not scattered, ``whole``, or no sharded step steps it) or not reduced here."""
+        if not self.scatter or self.whole or not self.covers(p):
+            return None
+        bucket = self.buckets[self._bucket_of[id(p)]]
+        if any(q is p for q in bucket.orphans):
+            return None
+        return self.shard_range(p)
+
     def covers(self, p: Tensor) -> bool:
         """Whether ``p``'s gradient is reduced here."""
         return id(p) in self._bucket_of
