@@ -657,7 +657,13 @@ def expected_warnings(scenario: str, layout: Layout) -> list[str]:
 
 
 # (saved under, resumed under): tied embeddings resharded between pipeline layouts and others (issue 47)
-TIED_RESHARDS = [("pp2", "dp2/zero0"), ("dp2/zero1", "pp2"), ("pp2", "tp2×pp2"), ("tp2×pp2", "dp2/zero3")]
+TIED_RESHARDS = [
+    ("pp2", "dp2/zero0"),
+    ("dp2/zero1", "pp2"),
+    ("pp2", "tp2×pp2"),
+    ("tp2×pp2", "dp2/zero3"),
+    ("pp2×dp2/zero2", "pp2"),
+]
 
 
 def resume_pairs(layouts: list[Layout] | None = None) -> list[tuple[Layout, Layout]]:

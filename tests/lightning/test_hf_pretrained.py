@@ -1,6 +1,7 @@
 """``GPTModule(pretrained=HF_DIR)``: continue training a Hugging Face checkpoint under any layout, and export it.
 
-The tiny Llama of tests/core/hf (llama3 rope scaling, GQA, vocabulary 200 padded to 256) is fitted three
+The tiny Llama of tests/core/hf (llama3 rope scaling, GQA, vocabulary 200 padded to 256; for tp2 × pp2 with
+tied embeddings, the first stage holding the embedding and the last a copy) is fitted three
 AdamW steps on one process (Lightning's default strategy, no meta device: ``configure_model`` loads it) and
 under MegaScaleStrategy tp2 × pp2 on 4 gloo ranks (meta device: loaded by ``parallelize`` after the split,
 each rank reading its slices). The loss of the first step, computed from the loaded weights, agrees to 1e-5
@@ -54,8 +55,18 @@ def llama(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def tied_llama(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("tied_llama")
+    save_tiny("llama", True, path)
+    return path
+
+
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # the one-process export reads DCP alone
-def test_tp2_x_pp2_continues_from_the_checkpoint_as_one_process_does_and_exports(llama, tmp_path):
+def test_tp2_x_pp2_continues_from_the_checkpoint_as_one_process_does_and_exports(tied_llama, tmp_path):
+    """The Llama's embeddings are tied (tie_word_embeddings=True): under pp the first stage holds the embedding
+    and the last a copy (issue 47); the checkpoint holds one tensor and the export ties them again."""
+    llama = tied_llama
     one = fit([_job("one process", llama, None)], 1, tmp_path / "one")["one process"]
     ckpt = tmp_path / "tp2pp2.ckpt"
     split = fit([_job("tp2×pp2", llama, dict(tp=2, pp=2), save_at_end=str(ckpt))], 4, tmp_path / "four")
@@ -79,6 +90,7 @@ def test_tp2_x_pp2_continues_from_the_checkpoint_as_one_process_does_and_exports
     assert main(["convert", "--to-hf", str(ckpt), str(out)]) == 0
     hf = AutoModelForCausalLM.from_pretrained(out).eval()
     assert type(hf).__name__ == "LlamaForCausalLM"
+    assert hf.config.tie_word_embeddings and hf.lm_head.weight is hf.model.embed_tokens.weight
     convert_to_torch(ckpt, tmp_path / "model.pt")
     ours = load_gpt(tmp_path / "model.pt").eval()
     x = tokens()
