@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from megascale.core import GPT, GPTConfig
@@ -155,3 +156,42 @@ def test_a_tie_between_other_stages_than_the_first_and_last_is_refused_by_name()
     for result in run_distributed(_refused_worker, 4, timeout=120):
         assert "'blocks.1.up.weight' of" in result and "layers 'blocks.1' and 'blocks.2'" in result, result
         assert "only a tensor tied between the first and the last stage can be" in result, result
+
+
+class _HiddenTieHead(nn.Module):
+    """Projects with the embedding's weight reached through a list: a tie no module shows."""
+
+    def __init__(self, embed: nn.Embedding, width: int, vocab: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self._embed = [embed]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.norm(x), self._embed[0].weight)
+
+
+def _hidden_tie_worker(rank: int, world: int, meta: bool) -> str:
+    plan = ParallelPlan(pp=2, num_microbatches=2)
+    mesh = plan.dims(world).build_mesh("cpu")
+    torch.manual_seed(0)
+    with torch.device("meta" if meta else "cpu"):
+        model = LayeredLM(64, 32, [MLPBlock(32) for _ in range(2)], nn.Identity())
+        model.head = _HiddenTieHead(model.embed, 32, 64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        runtime = parallelize(model, plan, mesh, device="cpu", sum_tied_gradients=True)
+    tokens = torch.randint(0, 60, (4, 8))
+    model(tokens, tokens)  # the first step completes on every stage (meta: zeros stand in)
+    try:
+        runtime.check_first_step()
+    except ValueError as e:
+        return str(e)
+    return "accepted"
+
+
+@pytest.mark.parametrize("meta", [False, True])
+def test_a_tie_no_module_shows_is_refused_by_name_after_the_first_step(meta: bool) -> None:
+    """Built whole, the last stage would project with a stale copy nobody trains (silently wrong); built on
+    the meta device, with a tensor of no values."""
+    for result in run_distributed(_hidden_tie_worker, 2, meta, timeout=120):
+        assert "pipeline stage 1 used parameter 'embed.weight', which stage 0 holds" in result, result

@@ -7,6 +7,8 @@
   loss plus a value loss: the parameters ZeRO must cover beyond the GPT.
 - ``CustomLayerModule``: a layer of the user's own with a parameter and no ``reset_parameters``;
   ``CustomLayerWithInitModule`` initialises it in the LightningModule's ``init_weights()``.
+- ``HiddenTieModule``: its head projects with the embedding's weight reached through a list (a tie torch
+  cannot see), which pipelines refuse by name.
 - ``ModelParallelStyleModule``: written for Lightning's ModelParallelStrategy: its ``configure_model`` splits
   the model over ``self.device_mesh["tensor_parallel"]`` with DTensor's ``parallelize_module`` and shards it with
   ``fully_shard`` over ``self.device_mesh["data_parallel"]``.
@@ -129,6 +131,27 @@ class OwnTransformerModule(_Trains):
     def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         assert self.model is not None
         return self.model(inputs, targets)  # under pp: the whole pipeline step, backward included
+
+
+class HiddenTieHead(nn.Module):
+    """A head projecting with the embedding's weight, reached through a list: a tie torch cannot see."""
+
+    def __init__(self, embed: nn.Embedding, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self._embed = [embed]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.norm(x), self._embed[0].weight)
+
+
+class HiddenTieModule(OwnTransformerModule):
+    """``OwnTransformerModule`` whose head uses the embedding through ``HiddenTieHead``: refused under pp."""
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = OwnTransformer(self.vocab)
+            self.model.head = HiddenTieHead(self.model.embed, 32)
 
 
 # ---- megascale's GPT with a value head ------------------------------------------------------------------

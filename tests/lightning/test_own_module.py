@@ -74,6 +74,14 @@ def test_a_layer_without_reset_parameters_is_refused_under_meta_init_and_init_we
     _replicas_agree(results["dp2"], "init_weights module")
 
 
+def test_a_tie_the_pipeline_cannot_see_is_refused_by_name(tmp_path):
+    """The last stage would project with a copy of the embedding nobody trains: refused after the first
+    backward, on every rank, naming the parameter and both stages."""
+    with pytest.raises(RuntimeError) as info:
+        fit([own_job("pp2", "HiddenTieModule", dict(pp=2, num_microbatches=2), 1)], 2, tmp_path)
+    assert "pipeline stage 1 used parameter 'embed.weight', which stage 0 holds" in str(info.value)
+
+
 # The conformance matrix (tests/conformance) trains a transformer of a user's own under every layout of issue
 # 22 (dp2 ZeRO-0/1/2/3, tp2 with and without SP, pp2, tp2×dp2, tp2×pp2, pp2×dp2); here what it lacks: tp
 # without overlapped communication and activation checkpointing of the whole model or of named modules.

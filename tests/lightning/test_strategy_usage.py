@@ -76,7 +76,6 @@ def test_layouts_that_do_not_fit_are_refused_before_any_collective(world, tp, co
         (dict(pp=2, schedule="interleaved", virtual_stages=4, num_microbatches=4), dict(n_layers=4),
          "8 pipeline stages but the model has only 4 blocks"),
         (dict(pp=2, pipeline_split=[1, 2]), dict(n_layers=4), "pipeline_split=[1, 2] must give 2"),
-        (dict(pp=2, zero_stage=2), dict(tie_embeddings=True), "tie_embeddings=True with pp > 1 and zero_stage=2"),
     ],
 )  # fmt: skip
 def test_pipeline_layouts_that_do_not_fit_the_model_are_refused(strategy, config, message):

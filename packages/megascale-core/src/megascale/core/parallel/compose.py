@@ -124,6 +124,8 @@ class ParallelRuntime:
         MegaScaleStrategy does."""
         if self.region_check is not None:
             self.region_check.verdict()
+        if self.pipeline is not None and self.pipeline.foreign is not None:
+            self.pipeline.foreign.verdict()  # a stage used a parameter another holds (``pp/foreign.py``)
 
     @property
     def data_parallel_group(self) -> dist.ProcessGroup | None:
@@ -321,6 +323,7 @@ def parallelize(
         pipeline = build_pipeline(pipelined, stages, mesh["pp"], plan, device=device)
         pipeline.rng = rng
         pipeline.tied = tied
+        pipeline.foreign = stages[0].foreign
     if notes and dist.get_rank() == 0:
         for note in notes:
             warnings.warn(note, stacklevel=2)

@@ -27,7 +27,7 @@ class is swapped for a subclass whose ``forward`` does that (as ``fully_shard`` 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, Literal, cast
 
 import torch
@@ -41,6 +41,7 @@ from torch.distributed.pipelining.stage import _RecvInfo
 
 from megascale.core.model.layers import PipelineLayers, pipeline_layers_of
 from megascale.core.parallel.plan import SCHEDULES, ParallelPlan, split_blocks
+from megascale.core.parallel.pp.foreign import ForeignParameters
 from megascale.core.parallel.pp.interleaved import (
     ScheduleDecoupledInterleaved1F1B,
     stream_p2p_groups,
@@ -92,6 +93,8 @@ class StageModule(nn.Module):
         self._blocks = range(len(first), len(first) + len(blocks))
         #: the model's tensors tied across the first and last stage, by their names (``tied.py``)
         self.tied: list[str] = []
+        #: the model's parameters other stages hold, watched for uses in the first step (``foreign.py``)
+        self.foreign: ForeignParameters | None = None
         # packed documents: the step's position_ids split as its microbatches are, and the microbatch's own
         # (every pipeline rank holds the whole batch; the stage is told which microbatch it computes)
         self.position_chunks: tuple[torch.Tensor, ...] | None = None
@@ -102,9 +105,10 @@ class StageModule(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         positions = self.positions
-        for i, layer in enumerate(self.layers):
-            # blocks of a model that takes position_ids (blocks_take_position_ids) get them as a second input
-            x = layer(x) if positions is None or i not in self._blocks else layer(x, positions)
+        with self.foreign.watch() if self.foreign is not None else nullcontext():
+            for i, layer in enumerate(self.layers):
+                # blocks of a model taking position_ids (blocks_take_position_ids) get them as a second input
+                x = layer(x) if positions is None or i not in self._blocks else layer(x, positions)
         if self.training and torch.is_grad_enabled():
             from megascale.core.model.moe import attach_balancing_losses
 
@@ -254,6 +258,8 @@ class Pipeline:
         self.unreached = UnreachedStages(stage_modules, stage_ids, num_stages, device)
         #: weights tied across the first and last stage (set by ``parallelize``; ``tied.py``)
         self.tied: TiedCopies | None = None
+        #: uses of parameters other stages hold, refused after the first step (set by ``parallelize``)
+        self.foreign: ForeignParameters | None = None
 
     @contextmanager
     def random_streams_untouched(self) -> Iterator[None]:
@@ -358,6 +364,8 @@ class Pipeline:
                 self.unreached.begin()
                 schedule.step(*args, return_outputs=False, **kwargs)
                 self.unreached.end()
+                if self.foreign is not None:  # one training step watched: what it found waits for verdict()
+                    self.foreign.stop_watching()
             else:
                 with torch.no_grad():  # evaluation in train or eval mode alike: no microbatch keeps its graph
                     schedule.eval(*args, return_outputs=False, **kwargs)
@@ -713,14 +721,20 @@ def apply_pipeline(
         )
         for s in mine
     ]
-    for stage in stages:
-        stage.tied = sorted(tied)
     # the last stage keeps a copy of what it shares with the first, under the first stage's names
     keep = {id(p) for n, p in model.named_parameters() if n in tied} if num_stages - 1 in mine else set()
+    names = {id(p): n for n, p in model.named_parameters()}
+    before = {
+        id(p): (names[id(p)], stage_of[id(layer)], p) for layer in layers.all() for p in layer.parameters()
+    }
     parents = _parents(model)
     for layer in layers.all():
         if stage_of[id(layer)] not in mine:
             _remove(model, layer, parents, keep)
+    foreign = ForeignParameters(before, {id(p) for p in model.parameters()}, mine)
+    for stage in stages:
+        stage.tied = sorted(tied)
+        stage.foreign = foreign
     return stages
 
 
