@@ -1,6 +1,6 @@
 """MegaScaleStrategy against one process: every layout trains the same model on the same data identically.
 
-Layouts: dp × ZeRO 1-3, tp with and without sequence parallelism, pipelines (1F1B, GPipe, interleaved), and
+Layouts: dp × ZeRO 1-3, tp with and without sequence parallelism, pipelines (1F1B, GPipe, interleaved, zb1p), and
 context parallelism (cp2, cp2 × dp2, cp2 × tp2, cp2 × pp2); each job's name is checked against the layout
 that ran.
 
@@ -75,6 +75,7 @@ PIPELINE2 = {
     "pp2 1f1b": (dict(pp=2), 1),
     "pp2 gpipe M=4": (dict(pp=2, schedule="gpipe", num_microbatches=4), 1),
     "pp2 interleaved V=2": (dict(pp=2, schedule="interleaved", virtual_stages=2, num_microbatches=4), 1),
+    "pp2 zb1p M=4": (dict(pp=2, schedule="zb1p", num_microbatches=4), 1),
 }
 PIPELINE4 = {
     "pp4": (dict(pp=4, num_microbatches=4), 1),

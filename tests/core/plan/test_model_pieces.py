@@ -94,6 +94,12 @@ def test_one_stage_schedules_and_bubbles() -> None:
     assert peak_in_flight("gpipe", 4, 3, 8, [1.0]) == 8
     assert bubble_fraction("1f1b", 4, 8) == pytest.approx(3 / 8)
     assert bubble_fraction("interleaved", 4, 8, 2) == pytest.approx(3 / 16)
+    # zb1p, in theory (part of issue 35 still to check against benchmarks/pipeline.py): (p-1)(F+B-2W) of
+    # 1F1B's (p-1)(F+B), a third at B = 2F, W = F; 1F1B's activations held, torch's receive buffers per microbatch
+    assert bubble_fraction("zb1p", 4, 8) == pytest.approx(3 / 8 / 3)
+    assert bubble_fraction("zb1p", 4, 8, 2) == pytest.approx(3 / 16 / 3)
+    assert peak_in_flight("zb1p", 4, 0, 8, [1.0]) == 4
+    assert receive_buffers("zb1p", 4, 1, 8) == ((8, 8),)
 
 
 def test_memory_warning_names_what_to_change() -> None:

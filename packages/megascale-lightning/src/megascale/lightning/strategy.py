@@ -102,8 +102,9 @@ class MegaScaleStrategy(ParallelStrategy):
             all-to-all overlaps another's expert computation (1: no overlap).
         num_microbatches: microbatches per step with pp > 1 (default pp); each rank's batch is split into them.
         schedule: pipeline schedule: "1f1b" (megascale's decoupled 1F1B), "interleaved" (needs
-            virtual_stages ≥ 2) or "gpipe".
-        virtual_stages: stages per pipeline rank (interleaved schedule): the bubble shrinks by this factor.
+            virtual_stages ≥ 2), "gpipe", or "zb1p" (zero bubble: each backward split into input and weight
+            gradients, the weights' filling the bubble; ZeRO 0-1, tp; other layouts refused by name for now).
+        virtual_stages: stages per pipeline rank (interleaved and zb1p): the bubble shrinks by this factor.
         pipeline_split: blocks per stage (pp · virtual_stages numbers); default: as even as possible.
         zero_stage: 0 replicate everything (DDP-like); 1 shard optimizer state; 2 also gradients;
             3 also parameters. Stages 2/3 run on FSDP2; stage 3 is refused with pp > 1 (it would gather the
@@ -157,7 +158,7 @@ class MegaScaleStrategy(ParallelStrategy):
         ep: int = 1,
         ep_comm_chunks: int = 2,
         num_microbatches: int | None = None,
-        schedule: Literal["1f1b", "interleaved", "gpipe"] = "1f1b",
+        schedule: Literal["1f1b", "interleaved", "gpipe", "zb1p"] = "1f1b",
         virtual_stages: int = 1,
         pipeline_split: list[int] | None = None,
         zero_stage: int = 1,

@@ -23,7 +23,9 @@ if TYPE_CHECKING:
 
 __all__ = ["ACTIVATION_CHECKPOINTING", "SCHEDULES", "ParallelPlan", "split_blocks"]
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1p")
+#: schedules splitting each backward into its input-gradient (B) and weight-gradient (W) halves
+SPLIT_BACKWARD_SCHEDULES = ("zb1p",)
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 
 
@@ -49,8 +51,11 @@ class ParallelPlan:
             all-reduced and new values broadcast: 1.5x DDP's bytes; any optimizer). None (the default): the
             layout's choice, "parameters" with ep > 1 (which "elements" cannot run), else "elements".
         num_microbatches: microbatches per step with pp > 1 (None: pp).
-        schedule: pipeline schedule, one of ``SCHEDULES``.
-        virtual_stages: stages per pipeline rank (the interleaved schedule).
+        schedule: pipeline schedule, one of ``SCHEDULES``: "1f1b", "interleaved" (1F1B over several stages per
+            rank), "gpipe", or "zb1p" (zero bubble, arXiv 2401.10241: each backward split into its
+            input-gradient and weight-gradient halves, the latter filling the bubble; one or more stages per
+            rank).
+        virtual_stages: stages per pipeline rank (the interleaved and zb1p schedules).
         pipeline_split: layers per stage (pp · virtual_stages numbers); None: as even as possible.
         sequence_parallel: with tp > 1, run norms, dropout and residuals on sequence shards.
         overlap_tp_comm: split TP all-gathers/reduce-scatters into ``tp_comm_chunks`` chunks overlapped with
@@ -76,7 +81,7 @@ class ParallelPlan:
     ep_comm_chunks: int = 2
     zero1_sharding: Literal["elements", "parameters"] | None = None
     num_microbatches: int | None = None
-    schedule: Literal["1f1b", "interleaved", "gpipe"] = "1f1b"
+    schedule: Literal["1f1b", "interleaved", "gpipe", "zb1p"] = "1f1b"
     virtual_stages: int = 1
     pipeline_split: tuple[int, ...] | None = None
     sequence_parallel: bool = True
@@ -157,16 +162,16 @@ class ParallelPlan:
         m, pp, v = self.microbatches, self.pp, self.virtual_stages
         if self.schedule not in SCHEDULES:
             raise ValueError(f"pipeline schedule {self.schedule!r} must be one of {SCHEDULES}")
-        if v > 1 and self.schedule != "interleaved":
+        if v > 1 and self.schedule not in ("interleaved", "zb1p"):
             raise ValueError(
-                f"virtual_stages={v} needs schedule='interleaved' (got {self.schedule!r}): only the "
-                "interleaved schedule runs several stages per rank"
+                f"virtual_stages={v} needs schedule='interleaved' or 'zb1p' (got {self.schedule!r}): only "
+                "those run several stages per rank"
             )
         if self.schedule == "interleaved" and v < 2:
             raise ValueError("schedule='interleaved' needs virtual_stages >= 2 (stages per rank)")
         if m < 1:
             raise ValueError(f"num_microbatches={m} must be >= 1")
-        if pp > 1 and self.schedule in ("1f1b", "interleaved") and m < pp:
+        if pp > 1 and self.schedule in ("1f1b", "interleaved", "zb1p") and m < pp:
             raise ValueError(
                 f"the {self.schedule} schedule needs at least as many microbatches as pipeline ranks: "
                 f"num_microbatches={m} < pp={pp}"
@@ -176,7 +181,33 @@ class ParallelPlan:
                 f"the interleaved schedule runs microbatches in rounds of pp: num_microbatches={m} is not a "
                 f"multiple of pp={pp}; use {pp * max(1, round(m / pp))}"
             )
+        if self.schedule == "zb1p" and m % max(1, m // pp):
+            raise ValueError(
+                f"the zb1p schedule runs microbatches in num_microbatches // pp = {m // pp} rounds of equal "
+                f"size: num_microbatches={m} is not a multiple of {m // pp}; use a multiple of pp={pp}"
+            )
+        if self.schedule in SPLIT_BACKWARD_SCHEDULES:
+            self._check_split_backward()
         split_blocks(n_layers, pp * v, self.pipeline_split)
+
+    def _check_split_backward(self) -> None:
+        """What the weight-gradient split does not carry yet, refused by name."""
+        refused = [
+            (self.zero_stage >= 2, f"zero_stage={self.zero_stage} (FSDP reduces after a full backward)"),
+            (self.ep > 1, f"ep={self.ep}"),
+            (self.cp > 1, f"cp={self.cp}"),
+            (self.compile, "compile=True (torch's split backward does not take compiled graphs)"),
+            (
+                self.activation_checkpointing != "none",
+                f"activation_checkpointing={self.activation_checkpointing!r}",
+            ),
+        ]
+        for hit, what in refused:
+            if hit:
+                raise ValueError(
+                    f"schedule={self.schedule!r} with {what}: the split backward (input gradients, then weight "
+                    "gradients) is not carried by this layout yet; use schedule='1f1b' or 'interleaved'"
+                )
 
     def check_model(self, module: nn.Module, *, sum_tied_gradients: bool = False) -> None:
         """Check this plan against ``module``'s megascale GPTs (shapes only: no collective, no allocation).
@@ -203,6 +234,11 @@ class ParallelPlan:
 
             check_context_parallel(config, self.cp)
         if self.pp > 1:
+            if config.moe is not None and self.schedule in SPLIT_BACKWARD_SCHEDULES:
+                raise ValueError(
+                    f"schedule={self.schedule!r} with a mixture of experts (GPTConfig.moe): the split backward "
+                    "is not carried by the experts' balancing losses yet; use schedule='1f1b' or 'interleaved'"
+                )
             if config.tie_embeddings and not sum_tied_gradients:
                 raise ValueError(
                     "tie_embeddings=True with pp > 1: the embedding (first stage) and the output projection "

@@ -38,6 +38,7 @@ def rank_order(
 def _warmup(schedule: str, pp: int, rank: int, microbatches: int, virtual_stages: int) -> int:
     """Forwards a rank runs before its first backward."""
     m, v = microbatches, virtual_stages
+    schedule = _as_one_f_one_b(schedule, v)
     if pp == 1:
         return 1
     if schedule == "gpipe":
@@ -48,12 +49,21 @@ def _warmup(schedule: str, pp: int, rank: int, microbatches: int, virtual_stages
     return min((v - 1) * per_round + 2 * (pp - 1 - rank), m * v)
 
 
+def _as_one_f_one_b(schedule: str, virtual_stages: int) -> str:
+    """zb1p holds its forwards as 1F1B (interleaved with several stages per rank) does: its W halves run
+    between them, releasing no activation earlier (arXiv 2401.10241, ZB-1P: 1F1B's peak memory)."""
+    if schedule != "zb1p":
+        return schedule
+    return "interleaved" if virtual_stages > 1 else "1f1b"
+
+
 def _order(
     schedule: str, pp: int, rank: int, microbatches: int, virtual_stages: int
 ) -> Iterator[tuple[str, int]]:
     m, v = microbatches, virtual_stages
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {schedule!r}; known: {SCHEDULES}")
+    schedule = _as_one_f_one_b(schedule, v)
     if pp == 1:  # one stage: each microbatch's forward then its backward (gradient accumulation)
         for _ in range(m):
             yield from (("F", 0), ("B", 0))
@@ -115,6 +125,8 @@ def receive_buffers(
     m, v = microbatches, virtual_stages
     if pp == 1:
         return ((0, 0),) * v
+    if schedule == "zb1p":  # torch's buffers, one per microbatch: W reads a stage's saved inputs late
+        return tuple((m * (s > 0), m * (s < pp * v - 1)) for s in (rank + c * pp for c in range(v)))
     ahead = 0 if schedule == "gpipe" else 1
     forwards, backwards = [0] * v, [0] * v
     most_f, most_b = [0] * v, [0] * v
@@ -143,5 +155,7 @@ def bubble_fraction(schedule: str, pp: int, microbatches: int, virtual_stages: i
     """Pipeline idle time as a fraction of the ideal (bubble-free) compute time of a step."""
     if pp == 1:
         return 0.0
-    v = virtual_stages if schedule == "interleaved" else 1
+    v = virtual_stages if schedule in ("interleaved", "zb1p") else 1
+    if schedule == "zb1p":  # (p-1)(F+B-2W) of 1F1B's (p-1)(F+B), B the whole backward: 1/3 at B = 2F, W = F
+        return (pp - 1) / (v * microbatches) / 3
     return (pp - 1) / (v * microbatches)

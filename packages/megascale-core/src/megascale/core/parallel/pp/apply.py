@@ -34,7 +34,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.pipelining import PipelineStage, ScheduleGPipe, ScheduleLoopedBFS
+from torch.distributed.pipelining import (
+    PipelineStage,
+    ScheduleGPipe,
+    ScheduleInterleavedZeroBubble,
+    ScheduleLoopedBFS,
+)
 from torch.distributed.pipelining._backward import stage_backward
 from torch.distributed.pipelining._utils import _make_tensor_from_meta, to_local_if_dtensor
 from torch.distributed.pipelining.stage import _RecvInfo
@@ -65,7 +70,7 @@ __all__ = [
     "stages_of_rank",
 ]
 
-ScheduleName = Literal["gpipe", "1f1b", "interleaved"]
+ScheduleName = Literal["gpipe", "1f1b", "interleaved", "zb1p"]
 
 
 def stages_of_rank(pp_rank: int, pp: int, virtual_stages: int) -> list[int]:
@@ -297,6 +302,10 @@ class Pipeline:
                 if self._stream_groups:  # off gloo: one set of per-stream groups, shared by every schedule
                     kwargs["p2p_groups"] = self._stream_groups
                 self._schedules[key] = ScheduleDecoupledInterleaved1F1B(stages, n, **kwargs)
+            elif name == "zb1p":  # torch's: input gradients (B), then weight gradients (W) filling the bubble
+                for stage in stages:  # W reads the saved inputs: a pooled buffer would be reused before it
+                    stage.pool_receives = False
+                self._schedules[key] = ScheduleInterleavedZeroBubble(stages, n, **kwargs)
             elif name == "looped":
                 self._schedules[key] = ScheduleLoopedBFS(stages, n, **kwargs)
             elif name == "1f1b":
@@ -531,6 +540,21 @@ class _LeanStage(PipelineStage):
             sending = self.bwd_cache.get(bwd_chunk_id, ())  # the input gradients, sent after this
             for pool in self._pools.values():
                 pool.give_back(bwd_chunk_id, sending)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> None:
+        """The weight-gradient half of a split backward (zb1p). torch assigns those gradients itself (but on
+        the first stage, whose W is a whole backward): their post-accumulate hooks, where ZeRO-0/1 count a
+        gradient's arrival and launch its bucket, are run here, as autograd runs them after a whole backward."""
+        if self.stage_index == 0:
+            super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
+            return
+        params = [p for p in self.submod.parameters() if p.requires_grad]
+        before = [None if p.grad is None else (id(p.grad), p.grad._version) for p in params]
+        super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
+        for p, was in zip(params, before):
+            if p.grad is not None and (id(p.grad), p.grad._version) != was:
+                for hook in (p._post_accumulate_grad_hooks or {}).values():
+                    hook(p)
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         cast(StageModule, self.submod).select_microbatch(fwd_chunk_id)  # its packed documents' positions
