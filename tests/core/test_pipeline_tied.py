@@ -103,6 +103,7 @@ LAYOUTS = {
         dict(pp=2, zero_stage=2, num_microbatches=2),
         dict(tp=2, pp=2, zero_stage=0),
         dict(pp=2, zero_stage=0, schedule="interleaved", virtual_stages=2, num_microbatches=2),
+        dict(pp=2, zero_stage=2, schedule="zb1p", num_microbatches=2),
     ],
     "hf": [
         dict(pp=2, zero_stage=0, num_microbatches=2),

@@ -5,8 +5,8 @@ would idle (torch's ``ScheduleInterleavedZeroBubble``, arXiv 2401.10241).
 A megascale GPT and a user's model (``pipeline_layers()`` only) train three steps of SGD with momentum, weight
 decay and global-norm clipping under zb1p layouts, against one process on the union batch: losses, the
 clipped norms and the updated weights. W is where the gradients land, so ZeRO-0/1's buckets must be reduced
-after it (``_LeanStage.backward_weight_one_chunk`` runs their hooks): ZeRO-1 over dp2 shows a bucket reduced
-before its W. Tolerance as in test_compose.py: float32, order of sums only. Layouts the split does not carry
+after it (``_LeanStage.backward_weight_one_chunk`` runs their hooks) and ZeRO-2 (FSDP) after the last W
+(torch's end of backward, not FSDP's own hooks, which fire in B): ZeRO over dp2 shows a reduction before W. Tolerance as in test_compose.py: float32, order of sums only. Layouts the split does not carry
 yet are refused by name when the plan meets the model.
 """
 
@@ -86,10 +86,14 @@ LAYOUTS = {
         dict(pp=2, num_microbatches=2, zero_stage=1),  # dp2: ZeRO-1 by elements, buckets after W
         dict(pp=2, num_microbatches=4, zero_stage=1, zero1_sharding="parameters"),
         dict(tp=2, pp=2, num_microbatches=2, zero_stage=0),
+        dict(
+            pp=2, num_microbatches=2, zero_stage=2
+        ),  # FSDP reduces after the last W (torch's end of backward)
     ],
     "own": [
         dict(pp=4, num_microbatches=4, zero_stage=0),
         dict(pp=2, num_microbatches=2, zero_stage=1, overlap_grad_reduce=False),
+        dict(pp=2, num_microbatches=4, zero_stage=2),
     ],
 }
 
@@ -110,7 +114,7 @@ def test_zb1p_trains_like_one_process(kind: str) -> None:
 @pytest.mark.parametrize(
     ("plan", "config", "message"),
     [
-        (dict(zero_stage=2), {}, "schedule='zb1p' with zero_stage=2"),
+        (dict(cp=2), {}, "schedule='zb1p' with cp=2"),
         (dict(activation_checkpointing="full"), {}, "schedule='zb1p' with activation_checkpointing='full'"),
         (dict(num_microbatches=5), {}, "num_microbatches=5 is not a multiple of 2"),
         (dict(num_microbatches=1), {}, "at least as many microbatches as pipeline ranks"),

@@ -82,6 +82,7 @@ PIPELINE4 = {
     "tp2×pp2": (dict(tp=2, pp=2), 1),
     "pp2×dp2/zero1": (dict(pp=2, zero_stage=1), 2),
     "pp2×dp2/zero2": (dict(pp=2, zero_stage=2), 2),
+    "pp2×dp2/zero2 zb1p": (dict(pp=2, zero_stage=2, schedule="zb1p"), 2),
     "cp2×pp2": (dict(cp=2, pp=2), 1),
 }
 

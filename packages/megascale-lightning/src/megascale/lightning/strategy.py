@@ -103,7 +103,8 @@ class MegaScaleStrategy(ParallelStrategy):
         num_microbatches: microbatches per step with pp > 1 (default pp); each rank's batch is split into them.
         schedule: pipeline schedule: "1f1b" (megascale's decoupled 1F1B), "interleaved" (needs
             virtual_stages ≥ 2), "gpipe", or "zb1p" (zero bubble: each backward split into input and weight
-            gradients, the weights' filling the bubble; ZeRO 0-1, tp; other layouts refused by name for now).
+            gradients, the weights' filling the bubble; ZeRO 0-2, tp, tied embeddings; ep, cp, MoE,
+            activation checkpointing and compile refused by name for now).
         virtual_stages: stages per pipeline rank (interleaved and zb1p): the bubble shrinks by this factor.
         pipeline_split: blocks per stage (pp · virtual_stages numbers); default: as even as possible.
         zero_stage: 0 replicate everything (DDP-like); 1 shard optimizer state; 2 also gradients;

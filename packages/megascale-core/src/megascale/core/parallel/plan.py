@@ -193,13 +193,13 @@ class ParallelPlan:
     def _check_split_backward(self) -> None:
         """What the weight-gradient split does not carry yet, refused by name."""
         refused = [
-            (self.zero_stage >= 2, f"zero_stage={self.zero_stage} (FSDP reduces after a full backward)"),
             (self.ep > 1, f"ep={self.ep}"),
             (self.cp > 1, f"cp={self.cp}"),
             (self.compile, "compile=True (torch's split backward does not take compiled graphs)"),
             (
                 self.activation_checkpointing != "none",
-                f"activation_checkpointing={self.activation_checkpointing!r}",
+                f"activation_checkpointing={self.activation_checkpointing!r} (torch's checkpoint enters its "
+                "recomputation context once, and the split backward recomputes in both halves)",
             ),
         ]
         for hit, what in refused:

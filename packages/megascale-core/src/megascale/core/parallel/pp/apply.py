@@ -466,6 +466,7 @@ class _LeanStage(PipelineStage):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._pools: dict[str, _RecvPool] = {}  # "F" activations, "B" gradients: while training
+        self._reduced_in_backward = False  # FSDP reduced during the step's last (whole) backward
 
     def _syncs(self) -> bool:
         return self.pipeline.sync_gradients
@@ -518,10 +519,13 @@ class _LeanStage(PipelineStage):
         grads = stage_backward(
             bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"]
         )
+        self._reduced_in_backward = sync
         return grads, None
 
     def perform_reduce_grad(self, grad_scale_factor: int) -> None:
-        if not isinstance(self.submod, FSDPModule):
+        reduced, self._reduced_in_backward = self._reduced_in_backward, False
+        if not isinstance(self.submod, FSDPModule) or (not reduced and self._syncs()):
+            # a split backward (zb1p: B, then W, with FSDP's sync off): torch's end of backward reduces
             super().perform_reduce_grad(grad_scale_factor)
             return
         # The last full backward ran with FSDP's gradient sync on (backward_maybe_with_nosync), so autograd
