@@ -435,7 +435,8 @@ class BucketedGradReduce:
 
     def _complete(self, bucket: _Bucket, absent: set[int]) -> None:
         """Wait for ``bucket``'s collective, write the averages into its gradients (not those ``absent``: no
-        rank had them) and release its buffers."""
+        rank had them; nor those dropped since the launch, on every replica alike: the zeros a pipeline stage
+        got from a later stage the loss did not reach, ``pp/unreached.py``) and release its buffers."""
         assert bucket.work is not None and bucket.flat is not None
         bucket.work.wait()
         if bucket.chunk is not None:
@@ -446,9 +447,8 @@ class BucketedGradReduce:
                 self._write_pieces(bucket, self._my_chunk(bucket), absent, whole=bucket.orphans)
             else:
                 for i, (p, offset) in enumerate(zip(bucket.params, bucket.offsets)):
-                    if i not in absent:
+                    if i not in absent and p.grad is not None:  # None: dropped since its launch (below)
                         g = local(p.grad)
-                        assert g is not None
                         g.copy_(bucket.flat[offset : offset + g.numel()].view_as(g))
         bucket.done, bucket.flat, bucket.work, bucket.chunk = True, None, None, None
 
@@ -479,10 +479,9 @@ class BucketedGradReduce:
         first = self.rank * chunk.numel()
         whole_ids = {id(q) for q in whole}
         for i, (p, offset) in enumerate(zip(bucket.params, bucket.offsets)):
-            if i in absent:
+            if i in absent or p.grad is None:  # None: dropped since its launch (below)
                 continue
             g = local(p.grad)
-            assert g is not None
             numel = g.numel()
             if id(p) in whole_ids:
                 assert bucket.flat is not None
