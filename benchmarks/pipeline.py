@@ -6,6 +6,8 @@ thread per rank on CPU, NCCL with one GPU per rank on CUDA) and, for each microb
     1f1b         torch's Schedule1F1B                       (fused send+receive batches, blocking)
     decoupled    megascale ScheduleDecoupled1F1B            (same order, decoupled asynchronous P2P)
     interleaved  torch's ScheduleInterleaved1F1B, V=2       (rank r holds stages r and r+P of 2P)
+    zb1p         torch's ScheduleInterleavedZeroBubble      (ZB1P: backward split into input gradients, I, and
+                                                             weight gradients, W, that fill the bubble)
 on the same model: a stack of 2·P·c residual MLP blocks (Linear d→4d, GELU, Linear 4d→d), c per virtual stage;
 every non-interleaved stage holds 2c blocks, so each rank computes the same layers in every schedule.
 
@@ -19,8 +21,12 @@ a shared machine does not fall on one schedule only:
                 everything else (waiting for a neighbour, communication not overlapped, schedule overhead, the
                 wait for the slowest rank) counts as bubble. Reported: each rank's median, and their mean
     theory      (P−1)/(M+P−1) for GPipe and 1F1B; (P−1)/(V·M+P−1) for interleaved (Megatron's bubble time
-                (P−1)·t/V against M·t of work, t = one microbatch's forward+backward on one rank)
-    throughput  samples/s = M · microbatch rows / T; ratios: interleaved vs 1F1B and decoupled vs torch 1F1B
+                (P−1)·t/V against M·t of work, t = one microbatch's forward+backward on one rank); for zb1p
+                (P−1)(F+B−2W) against M·(F+B), B = I+W the whole backward (arXiv 2401.10241, ZB-1P; the
+                DualPipe README's table), with F, I and W the mean durations the timeline recorded on ranks
+                1..P−1 (rank 0 has no input gradient: torch runs its whole backward as W). Sleep mode:
+                F = I = W by construction, a third of 1F1B's idle time
+    throughput  samples/s = M · microbatch rows / T; ratios: interleaved, zb1p and decoupled vs torch 1F1B
                 (> 1: faster)
     send wait   decoupled only (torch's schedules do not expose their waits): the largest, over ranks, share
                 of T a rank spent waiting on its own sends
@@ -55,7 +61,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-SCHEDULES = ("gpipe", "1f1b", "decoupled", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "decoupled", "interleaved", "zb1p")
 V = 2  # virtual stages per rank for the interleaved schedule
 
 
@@ -74,6 +80,21 @@ class _Sleep(torch.autograd.Function):
         return grad, None, None
 
 
+class _WeightSleep(torch.autograd.Function):
+    """Identity on a weight whose backward takes a fixed wall time: the weight-gradient part of a backward,
+    which a split backward (zb1p) runs apart from the input-gradient part."""
+
+    @staticmethod
+    def forward(ctx: Any, w: torch.Tensor, bwd_s: float) -> torch.Tensor:
+        ctx.bwd_s = bwd_s
+        return w.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        time.sleep(ctx.bwd_s)
+        return grad, None
+
+
 class Block(nn.Module):
     """Residual MLP block (matmul mode), or a per-feature scale plus a fixed sleep (sleep mode: next to no
     compute, but real parameters, gradients and activation messages of the configured size)."""
@@ -89,7 +110,8 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sleep is None:
             return x + self.down(nn.functional.gelu(self.up(x)))
-        return _Sleep.apply(x * self.scale, self.sleep, 2 * self.sleep)
+        # backward 2x the forward: half on the input's path, half on the weight's (run apart by zb1p)
+        return _Sleep.apply(x * _WeightSleep.apply(self.scale, self.sleep), self.sleep, self.sleep)
 
 
 def _chunk(args: argparse.Namespace, first_block: int, n_blocks: int, device: torch.device) -> nn.Sequential:
@@ -111,6 +133,7 @@ def _build(name: str, args: argparse.Namespace, rank: int, P: int, m: int, devic
         Schedule1F1B,
         ScheduleGPipe,
         ScheduleInterleaved1F1B,
+        ScheduleInterleavedZeroBubble,
     )
 
     from megascale.core.parallel import ScheduleDecoupled1F1B
@@ -122,6 +145,8 @@ def _build(name: str, args: argparse.Namespace, rank: int, P: int, m: int, devic
         ]
         return ScheduleInterleaved1F1B(stages, m, _mse)
     stage = PipelineStage(_chunk(args, rank * V * c, V * c, device), rank, P, device)
+    if name == "zb1p":
+        return ScheduleInterleavedZeroBubble([stage], m, _mse)
     cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "decoupled": ScheduleDecoupled1F1B}[name]
     return cls(stage, m, _mse)
 
@@ -146,11 +171,17 @@ def _timed_step(schedule: Any, inputs: tuple, target: Any, timeline: Any, device
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     T = slowest.item()
     # Only ScheduleDecoupled1F1B records its waits (receive, send): 0 for torch's schedules.
+    mean = {
+        k: statistics.fmean([e.end - e.start for e in timeline.events if e.kind == k] or [0.0]) for k in "FIW"
+    }
     out = (
         T,
         timeline.bubble_fraction(t0, t0 + T),
         timeline.total("wait_recv") / T,
         timeline.total("wait_send") / T,
+        mean["F"],
+        mean["I"],
+        mean["W"],
     )
     timeline.clear()
     return out
@@ -181,13 +212,19 @@ def _measure(args: argparse.Namespace, rank: int, P: int, m: int, device: torch.
     return {
         name: {
             key: statistics.median(v[i] for v in got)
-            for i, key in enumerate(("T", "bubble", "recv_wait", "send_wait"))
+            for i, key in enumerate(("T", "bubble", "recv_wait", "send_wait", "F", "I", "W"))
         }
         for name, got in samples.items()
     }
 
 
-def _theory(name: str, P: int, m: int) -> float:
+def _theory(name: str, P: int, m: int, per_rank: list[dict]) -> float:
+    if name == "zb1p":  # from the durations measured: F, I (input gradients), W (weight gradients)
+        # rank 0 has no input gradient to compute: torch runs its whole backward as its W, so its F, I, W
+        # do not describe the split; the other ranks' do
+        f, i, w = (statistics.fmean(r[k] for r in per_rank[1:] or per_rank) for k in "FIW")
+        idle = (P - 1) * max(0.0, f + (i + w) - 2 * w)  # (P-1)(F+B-2W), B the whole backward I + W
+        return idle / (m * (f + i + w) + idle)
     return (P - 1) / (V * m + P - 1) if name == "interleaved" else (P - 1) / (m + P - 1)
 
 
@@ -210,12 +247,12 @@ def _table(args: argparse.Namespace, P: int, rows: dict[tuple[str, int], list[di
             T = per_rank[0]["T"]
             bubbles = [r["bubble"] for r in per_rank]
             ratio = ""
-            if (name == "interleaved" and "1f1b" in base) or (name == "decoupled" and "1f1b" in base):
+            if name in ("interleaved", "decoupled", "zb1p") and "1f1b" in base:
                 ratio = f"{base['1f1b'] / T:.2f}x vs 1f1b"
             lines.append(
                 f"| {name} | {m} | {T * 1e3:.0f} | {m * args.mb_rows / T:.1f} | "
                 + " ".join(f"{b:.3f}" for b in bubbles)
-                + f" | {statistics.mean(bubbles):.3f} | {_theory(name, P, m):.3f} | {ratio} | "
+                + f" | {statistics.mean(bubbles):.3f} | {_theory(name, P, m, per_rank):.3f} | {ratio} | "
                 + (f"{max(r['send_wait'] for r in per_rank):.4f} |" if name == "decoupled" else "n/a |")
             )
     return "\n".join(lines)
