@@ -40,14 +40,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
     ScheduleLoopedBFS,
 )
-from torch.distributed.pipelining._backward import (
-    _get_grad_fn_or_grad_acc as _grad_node,
-)
-from torch.distributed.pipelining._backward import (
-    construct_reverse_graph,
-    get_param_groups,
-    stage_backward,
-)
+from torch.distributed.pipelining._backward import stage_backward
 from torch.distributed.pipelining._utils import _make_tensor_from_meta, to_local_if_dtensor
 from torch.distributed.pipelining.stage import _RecvInfo
 
@@ -59,6 +52,7 @@ from megascale.core.parallel.pp.interleaved import (
     stream_p2p_groups,
     stream_tag,
 )
+from megascale.core.parallel.pp.split_backward import gradients_off_the_input_path, with_accumulate_hooks
 from megascale.core.parallel.pp.tied import TiedCopies, tied_across_stages
 from megascale.core.parallel.pp.unreached import UnreachedStages
 from megascale.core.parallel.rng import ModelParallelRNG
@@ -517,8 +511,8 @@ class _LeanStage(PipelineStage):
     def backward_maybe_with_nosync(
         self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False
     ) -> tuple[tuple[torch.Tensor | None, ...], list[dict[str, Any]] | None]:
-        if backward_type == "input":
-            self._weights_off_the_input_path(bwd_kwargs)
+        if backward_type == "input":  # zb1p's B half (split_backward.py)
+            gradients_off_the_input_path(self.submod, bwd_kwargs)
         if not (last_backward and backward_type == "full" and isinstance(self.submod, FSDPModule)):
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
         sync = self._syncs()
@@ -530,37 +524,6 @@ class _LeanStage(PipelineStage):
         )
         self._reduced_in_backward = sync
         return grads, None
-
-    def _weights_off_the_input_path(self, bwd_kwargs: dict[str, Any]) -> None:
-        """The split backward's B half (zb1p), before it runs: torch's W computes the gradients of the weights
-        on a path from the stage's inputs to its outputs only, so a weight the loss reaches otherwise (a layer
-        reading a detached input, as a head whose input is detached) would get none. Those get theirs here,
-        whole, from the outputs (their post-accumulate hooks run, as W's do)."""
-        outputs = [o for o in bwd_kwargs["stage_output"] if o.requires_grad or o.grad_fn is not None]
-        if not outputs:
-            return
-        grads = bwd_kwargs["output_grads"]
-        grads = (
-            [torch.ones_like(o) for o in outputs] if grads is None else [g for g in grads if g is not None]
-        )
-        weights = [p for p in self.submod.parameters() if p.requires_grad]
-        inputs = [_grad_node(x) for x in bwd_kwargs["input_values"] if isinstance(x, torch.Tensor)]
-        reverse = construct_reverse_graph([n for n in map(_grad_node, outputs) if n is not None])
-        nodes = [_grad_node(p) for p in weights]
-        groups = get_param_groups(
-            [n for n in inputs if n is not None], [n for n in nodes if n is not None], reverse
-        )
-        on_path = {id(n) for group in groups for n in group["params"]}
-        off = [p for p, n in zip(weights, nodes) if n is not None and id(n) not in on_path]
-        if not off:
-            return
-        found = torch.autograd.grad(outputs, off, grads, retain_graph=True, allow_unused=True)
-        for p, g in zip(off, found):
-            if g is None:
-                continue  # not reached at all: None, as on one process
-            p.grad = g if p.grad is None else p.grad + g
-            for hook in (p._post_accumulate_grad_hooks or {}).values():
-                hook(p)
 
     def perform_reduce_grad(self, grad_scale_factor: int) -> None:
         reduced, self._reduced_in_backward = self._reduced_in_backward, False
@@ -586,19 +549,13 @@ class _LeanStage(PipelineStage):
                 pool.give_back(bwd_chunk_id, sending)
 
     def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> None:
-        """The weight-gradient half of a split backward (zb1p). torch assigns those gradients itself (but on
-        the first stage, whose W is a whole backward): their post-accumulate hooks, where ZeRO-0/1 count a
-        gradient's arrival and launch its bucket, are run here, as autograd runs them after a whole backward."""
+        """zb1p's W half; the first stage's is a whole backward, whose hooks autograd runs (split_backward.py)."""
+        run = super().backward_weight_one_chunk
         if self.stage_index == 0:
-            super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
+            run(bwd_chunk_id, last_backward)
             return
         params = [p for p in self.submod.parameters() if p.requires_grad]
-        before = [None if p.grad is None else (id(p.grad), p.grad._version) for p in params]
-        super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
-        for p, was in zip(params, before):
-            if p.grad is not None and (id(p.grad), p.grad._version) != was:
-                for hook in (p._post_accumulate_grad_hooks or {}).values():
-                    hook(p)
+        with_accumulate_hooks(params, lambda: run(bwd_chunk_id, last_backward))
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         cast(StageModule, self.submod).select_microbatch(fwd_chunk_id)  # its packed documents' positions
