@@ -5,6 +5,7 @@ strategy's arguments, and ``--calibrate`` measures this machine."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 import yaml
@@ -37,6 +38,22 @@ def test_search_honours_fixed_parts_and_ranks_by_step_time() -> None:
     times = [c.step.step_time for c in fitting]
     assert times == sorted(times) and ranked[: len(fitting)] == fitting
     assert all(c.layout.global_batch == 256 and c.layout.gpus == 64 for c in ranked)
+
+
+def test_zb1p_is_searched_when_asked_for_and_its_bubble_is_a_third_of_1f1bs() -> None:
+    cluster = ClusterSpec(gpu_spec("h100"), gpus=64)
+    fixed = dict(tp=8, pp=4, activation_checkpointing="none", micro_batch_size=1)
+    zb = search(_workload(), cluster, Fixed(schedule="zb1p", **fixed))
+    assert zb and all(c.layout.plan.schedule == "zb1p" for c in zb)
+
+    def key(c: Any) -> tuple[Any, ...]:
+        return c.layout.dp, c.layout.plan.zero_stage, c.layout.microbatches, c.layout.plan.sequence_parallel
+
+    one = {key(c): c.step for c in search(_workload(), cluster, Fixed(schedule="1f1b", **fixed))}
+    for c in zb:
+        base = one[key(c)]
+        assert c.step.bubble == pytest.approx(base.bubble / 3)
+    assert all(c.layout.plan.schedule != "zb1p" for c in search(_workload(), cluster, Fixed(**fixed)))
 
 
 def test_a_fully_fixed_layout_is_predicted_even_when_it_does_not_fit() -> None:
