@@ -225,12 +225,16 @@ def case(name: str) -> Case:
     return drawn if not kept else drawn.shrunk(int(kept, 16))
 
 
+# layouts added after the generator's seeds were run: drawing among them too would change every seed's draw
+NOT_DRAWN = ("pp2/zb1p",)
+
+
 def layouts_for(case: Case, count: int | None) -> list[Layout]:
     """``count`` layouts drawn for the case (None: every layout), world-2 ones first."""
     if count is None:
         return list(LAYOUTS)
     rng = random.Random(f"conformance-layouts/{case.seed}")
-    world2 = [layout for layout in LAYOUTS if layout.world == 2]
+    world2 = [layout for layout in LAYOUTS if layout.world == 2 and layout.name not in NOT_DRAWN]
     return rng.sample(world2, min(count, len(world2)))
 
 

@@ -73,12 +73,12 @@ def all_cells(seeds: int) -> list[Cell]:
 
 
 # variants of a layout CI also runs in its main form (ZeRO-1 sharded by elements, tp2 with sequence parallelism,
-# ep2 with ZeRO-0)
-VARIANTS = ("dp2/zero1-params", "tp2/no-sp", "ep2/zero1-params")
+# ep2 with ZeRO-0, pp2 with 1F1B)
+VARIANTS = ("dp2/zero1-params", "tp2/no-sp", "ep2/zero1-params", "pp2/zb1p")
 
 
 def in_ci_tier(cell: Cell) -> bool:
-    """CI runs every cell on 2 ranks but half of the two variant layouts' (``VARIANTS``: every other scenario,
+    """CI runs every cell on 2 ranks but half of the variant layouts' (``VARIANTS``: every other scenario,
     alternating, and the plain one), and a third of the 4-rank ones (4 ranks on CI's 2 cores cost 2.5x a
     2-rank cell): each scenario under one 4-rank layout (turn by turn), each 4-rank layout resuming from two
     2-rank checkpoints and from each other, and every 4-rank checkpoint shrunk onto 2 ranks. The rest is the

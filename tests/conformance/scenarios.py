@@ -68,6 +68,7 @@ LAYOUTS = [
     Layout("tp2", dict(tp=2), 2),
     Layout("tp2/no-sp", dict(tp=2, sequence_parallel=False), 2),
     Layout("pp2", dict(pp=2), 2),
+    Layout("pp2/zb1p", dict(pp=2, schedule="zb1p"), 2),  # zero bubble: backward split in B and W (issue 35)
     Layout("cp2", dict(cp=2), 2),
     Layout("tp2×dp2/zero1", dict(tp=2, zero_stage=1), 4),
     Layout("tp2×pp2", dict(tp=2, pp=2), 4),
