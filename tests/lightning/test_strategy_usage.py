@@ -36,7 +36,7 @@ from tests.lightning.test_strategy import CONFIG, _compare, job
         (dict(pp=2, schedule="interleaved"), "needs virtual_stages >= 2"),
         (dict(pp=4, num_microbatches=2), "num_microbatches=2 < pp=4"),
         (dict(pp=2, schedule="interleaved", virtual_stages=2, num_microbatches=3), "not a multiple of pp=2"),
-        (dict(pp=2, schedule="zb"), "must be one of ('gpipe', '1f1b', 'interleaved')"),
+        (dict(pp=2, schedule="zb"), "must be one of ('gpipe', '1f1b', 'interleaved', 'zb1p')"),
         (dict(activation_checkpointing="some"), "'none', 'full' or 'selective'"),
     ],
 )
